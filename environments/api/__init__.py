@@ -1,0 +1,1 @@
+"""The rollout API (server, client, storage) between environments and the trainer."""

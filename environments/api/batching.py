@@ -1,0 +1,124 @@
+"""Choosing which queued groups make up the next training batch.
+
+Rules, in order:
+
+1. Groups are never split; the oldest data goes first.
+2. Minimum shares: an env registered with ``min_batch_allocation = m`` gets at least
+   ``floor(m * batch_size)`` sequences of every batch (its oldest groups). If it has
+   queued less than that, the batch waits for it (as Atropos does). Shares that add up
+   to more than the batch are scaled down proportionally.
+3. The rest of the batch is filled with the oldest groups of any env that fit.
+4. A batch holds exactly ``batch_size`` sequences whenever the queued groups can make
+   that number (a subset-sum search that prefers older groups fills gaps greedy filling
+   leaves); when no combination can, for example groups of 3 with a batch of 64, it
+   holds the largest number below ``batch_size`` they can make. Group sizes need not be
+   powers of two (Atropos's packing assumes they are).
+
+Pure functions over small records, so they are tested on hand-built queues.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QueuedGroup:
+    seq: int
+    """Arrival order (the SQLite row id); smaller is older."""
+    group_id: str
+    env_id: int | None
+    n_sequences: int
+    policy_version: int | None
+
+
+def min_share_quotas(
+    min_shares: dict[int, float], batch_size: int
+) -> dict[int, int]:
+    """Sequences reserved per env: ``floor(share * batch_size)``, scaled to fit."""
+    quotas = {env: int(share * batch_size) for env, share in min_shares.items() if share > 0}
+    total = sum(quotas.values())
+    if total > batch_size:
+        quotas = {env: math.floor(q * batch_size / total) for env, q in quotas.items()}
+    return {env: q for env, q in quotas.items() if q > 0}
+
+
+def _exact_fill(sizes: Sequence[int], capacity: int) -> list[int] | None:
+    """Indices of a subset of ``sizes`` summing to ``capacity``, preferring early ones.
+
+    Each reachable sum keeps the combination found first while scanning in order, so
+    the answer uses the oldest groups that can make the sum.
+    """
+    parent: list[tuple[int, int] | None] = [None] * (capacity + 1)
+    reached = [False] * (capacity + 1)
+    reached[0] = True
+    for i, size in enumerate(sizes):
+        if size > capacity:
+            continue
+        for total in range(capacity, size - 1, -1):
+            if not reached[total] and reached[total - size]:
+                reached[total] = True
+                parent[total] = (i, total - size)
+        if reached[capacity]:
+            break
+    if not reached[capacity]:
+        return None
+    chosen, total = [], capacity
+    while total:
+        i, total = parent[total]  # type: ignore[misc]
+        chosen.append(i)
+    return sorted(chosen)
+
+
+def select_batch(
+    queue: Iterable[QueuedGroup],
+    batch_size: int,
+    min_shares: dict[int, float] | None = None,
+    search_window: int = 512,
+) -> list[QueuedGroup] | None:
+    """The groups of the next batch (oldest first), or ``None`` to wait for more data.
+
+    ``queue`` is in arrival order and holds only groups of at most ``batch_size``
+    sequences. ``search_window`` bounds how many of the oldest groups the exact-fill
+    search looks at.
+    """
+    groups = list(queue)
+    total = sum(g.n_sequences for g in groups)
+    if total < batch_size or not groups:
+        return None
+
+    chosen: list[QueuedGroup] = []
+    taken = 0
+    for env, quota in min_share_quotas(min_shares or {}, batch_size).items():
+        own = [g for g in groups if g.env_id == env]
+        if sum(g.n_sequences for g in own) < quota:
+            return None  # wait for the env's minimum share
+        got = 0
+        for g in own:
+            if got >= quota:
+                break
+            if taken + g.n_sequences <= batch_size:
+                chosen.append(g)
+                got += g.n_sequences
+                taken += g.n_sequences
+
+    chosen_ids = {g.seq for g in chosen}
+    rest = [g for g in groups if g.seq not in chosen_ids]
+    for g in rest:
+        if taken == batch_size:
+            break
+        if taken + g.n_sequences <= batch_size:
+            chosen.append(g)
+            taken += g.n_sequences
+
+    if taken < batch_size:
+        window = rest[:search_window]
+        # Refill the free part exactly, from groups not reserved by minimum shares.
+        reserved = [g for g in chosen if g.seq not in {r.seq for r in window}]
+        capacity = batch_size - sum(g.n_sequences for g in reserved)
+        exact = _exact_fill([g.n_sequences for g in window], capacity)
+        if exact is not None:
+            chosen = reserved + [window[i] for i in exact]
+    return sorted(chosen, key=lambda g: g.seq)

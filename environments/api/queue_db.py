@@ -1,0 +1,242 @@
+"""The rollout API's durable state: an embedded SQLite database in WAL mode.
+
+Every group the API accepts is a row of ``groups``, committed before the push is
+answered. Its ``state`` moves ``queued -> leased -> done`` (or ``dropped``, with a
+reason). The JSON body is kept until the group is done or dropped, then cleared; the row
+stays so that a retried push with the same ``group_id`` remains a no-op. Leases, env
+registrations, the trainer registration, the policy version and the counters live in the
+same file, so a restarted server resumes exactly where it stopped.
+
+This class is synchronous and not thread-safe: the server calls it from one dedicated
+worker thread, so SQLite never blocks the event loop. ``path=":memory:"`` keeps
+everything in memory (nothing survives a restart).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from environments.api.batching import QueuedGroup
+from environments.api.wire import AcceptedGroup
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS groups (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT NOT NULL UNIQUE,
+    env_id INTEGER,
+    n_sequences INTEGER NOT NULL,
+    policy_version INTEGER,
+    state TEXT NOT NULL,
+    lease_id TEXT,
+    drop_reason TEXT,
+    received_at REAL NOT NULL,
+    body BLOB
+);
+CREATE INDEX IF NOT EXISTS groups_live ON groups(state) WHERE state IN ('queued', 'leased');
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY,
+    trainer TEXT,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    step INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS envs (
+    env_id INTEGER PRIMARY KEY,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS kv (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+"""
+
+
+@dataclass
+class LeaseRow:
+    lease_id: str
+    trainer: str | None
+    created_at: float
+    expires_at: float
+    step: int
+    group_seqs: list[int]
+
+
+@dataclass
+class LoadedState:
+    queue: list[QueuedGroup]
+    leases: list[LeaseRow]
+    leased_groups: dict[int, QueuedGroup]
+    envs: dict[int, dict[str, Any]]
+    kv: dict[str, Any]
+    counters: dict[str, int]
+
+
+class QueueDB:
+    def __init__(self, path: str | Path, synchronous: str = "FULL"):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        if self.path != ":memory:":
+            self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute(f"PRAGMA synchronous={synchronous}")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- start-up -------------------------------------------------------------------
+    def load(self) -> LoadedState:
+        rows = self.conn.execute(
+            "SELECT seq, group_id, env_id, n_sequences, policy_version, state, lease_id "
+            "FROM groups WHERE state IN ('queued', 'leased') ORDER BY seq").fetchall()
+        queue, leased, by_lease = [], {}, {}
+        for seq, group_id, env_id, n, version, state, lease_id in rows:
+            group = QueuedGroup(seq, group_id, env_id, n, version)
+            if state == "queued":
+                queue.append(group)
+            else:
+                leased[seq] = group
+                by_lease.setdefault(lease_id, []).append(seq)
+        leases = [LeaseRow(lid, trainer, created, expires, step, by_lease.get(lid, []))
+                  for lid, trainer, created, expires, step in self.conn.execute(
+                      "SELECT lease_id, trainer, created_at, expires_at, step FROM leases")]
+        envs = {env_id: json.loads(record)
+                for env_id, record in self.conn.execute("SELECT env_id, record FROM envs")}
+        kv = {key: json.loads(value)
+              for key, value in self.conn.execute("SELECT key, value FROM kv")}
+        counters = dict(self.conn.execute("SELECT name, value FROM counters"))
+        return LoadedState(queue, leases, leased, envs, kv, counters)
+
+    # -- writes (each one transaction) ---------------------------------------------------
+    # ``kv``: state values to set; ``counts``: counter increments; both committed with
+    # the change they describe.
+
+    def insert_groups(
+        self,
+        groups: Sequence[tuple[AcceptedGroup, str | None]],
+        kv: dict[str, Any] | None = None,
+        counts: dict[str, int] | None = None,
+    ) -> tuple[list[int | None], Counter[str]]:
+        """Insert ``(group, drop_reason)`` pairs, in one transaction.
+
+        Returns each new row's seq (None for a ``group_id`` already known: a retried
+        push) and the received/duplicate/dropped counts committed with them.
+        """
+        now = time.time()
+        seqs: list[int | None] = []
+        push_counts: Counter[str] = Counter()
+        counts = Counter(counts or {})
+        with self._transaction(kv, counts) as cur:
+            for group, drop_reason in groups:
+                cur.execute(
+                    "INSERT OR IGNORE INTO groups (group_id, env_id, n_sequences, "
+                    "policy_version, state, drop_reason, received_at, body) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (group.group_id, group.env_id, group.n_sequences, group.policy_version,
+                     "dropped" if drop_reason else "queued", drop_reason, now,
+                     None if drop_reason else group.body))
+                new = cur.rowcount == 1
+                seqs.append(cur.lastrowid if new else None)
+                push_counts.update(_push_counts(group, drop_reason, new))
+            counts.update(push_counts)  # committed by _transaction on the way out
+        return seqs, push_counts
+
+    def read_bodies(self, seqs: Sequence[int]) -> list[bytes]:
+        placeholders = ",".join("?" * len(seqs))
+        found = dict(self.conn.execute(
+            f"SELECT seq, body FROM groups WHERE seq IN ({placeholders})", list(seqs)))
+        return [found[s] for s in seqs]
+
+    def lease(self, lease: LeaseRow, kv=None, counts=None) -> list[bytes]:
+        """Record a lease over its groups and return their bodies (oldest first)."""
+        with self._transaction(kv, counts) as cur:
+            cur.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?)",
+                        (lease.lease_id, lease.trainer, lease.created_at, lease.expires_at,
+                         lease.step))
+            cur.executemany("UPDATE groups SET state='leased', lease_id=? WHERE seq=?",
+                            [(lease.lease_id, s) for s in lease.group_seqs])
+        return self.read_bodies(lease.group_seqs)
+
+    def take(self, seqs: Sequence[int], kv=None, counts=None) -> list[bytes]:
+        """Hand groups out for good (Atropos ``GET /batch``: no acknowledgement)."""
+        bodies = self.read_bodies(seqs)
+        with self._transaction(kv, counts) as cur:
+            cur.executemany("UPDATE groups SET state='done', body=NULL WHERE seq=?",
+                            [(s,) for s in seqs])
+        return bodies
+
+    def finish_lease(self, lease_id: str, done: bool, kv=None, counts=None) -> None:
+        """Acknowledge a lease (its groups are done) or give its groups back to the queue."""
+        with self._transaction(kv, counts) as cur:
+            if done:
+                cur.execute("UPDATE groups SET state='done', body=NULL, lease_id=NULL "
+                            "WHERE lease_id=?", (lease_id,))
+            else:
+                cur.execute("UPDATE groups SET state='queued', lease_id=NULL "
+                            "WHERE lease_id=?", (lease_id,))
+            cur.execute("DELETE FROM leases WHERE lease_id=?", (lease_id,))
+
+    def drop(self, seqs: Iterable[int], reason: str, kv=None, counts=None) -> None:
+        with self._transaction(kv, counts) as cur:
+            cur.executemany("UPDATE groups SET state='dropped', drop_reason=?, body=NULL, "
+                            "lease_id=NULL WHERE seq=?", [(reason, s) for s in seqs])
+
+    def put_env(self, env_id: int, record: dict[str, Any], kv=None, counts=None) -> None:
+        with self._transaction(kv, counts) as cur:
+            cur.execute("INSERT OR REPLACE INTO envs VALUES (?, ?)",
+                        (env_id, json.dumps(record)))
+
+    def put(self, kv=None, counts=None) -> None:
+        with self._transaction(kv, counts):
+            pass
+
+    def reset(self) -> None:
+        with self._transaction(None, None) as cur:
+            for table in ("groups", "leases", "envs", "kv", "counters"):
+                cur.execute(f"DELETE FROM {table}")
+
+    # -- helpers ----------------------------------------------------------------------
+    @contextmanager
+    def _transaction(self, kv: dict[str, Any] | None,
+                     counts: dict[str, int] | None) -> Iterator[sqlite3.Cursor]:
+        """One transaction; ``kv`` values are set and ``counts`` added to the counters
+        in it, so state and counters never disagree after a crash."""
+        cur = self.conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+            if kv:
+                cur.executemany("INSERT OR REPLACE INTO kv VALUES (?, ?)",
+                                [(k, json.dumps(v)) for k, v in kv.items()])
+            if counts:
+                cur.executemany(
+                    "INSERT INTO counters VALUES (?, ?) "
+                    "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+                    [(k, v) for k, v in counts.items() if v])
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
+
+
+def _push_counts(group: AcceptedGroup, drop_reason: str | None, new: bool) -> dict[str, int]:
+    if not new:
+        return {"duplicate_pushes": 1}
+    counts = {"received_groups": 1, "received_sequences": group.n_sequences}
+    if drop_reason:
+        counts[f"dropped_groups_{drop_reason}"] = 1
+        counts[f"dropped_sequences_{drop_reason}"] = group.n_sequences
+    return counts

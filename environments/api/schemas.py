@@ -1,0 +1,91 @@
+"""Request bodies of the rollout API (other than scored data) and the server's config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Registration(BaseModel):
+    """``POST /register``: the trainer (Atropos fields)."""
+
+    wandb_group: str = ""
+    wandb_project: str = ""
+    batch_size: int = Field(gt=0)
+    max_token_len: int = Field(gt=0)
+    checkpoint_dir: str = ""
+    save_checkpoint_interval: int = 0
+    starting_step: int = Field(default=0, ge=0)
+    num_steps: int = -1
+
+
+class RegisterEnv(BaseModel):
+    """``POST /register-env`` (Atropos fields)."""
+
+    max_token_length: int = Field(gt=0)
+    desired_name: str = Field(min_length=1)
+    weight: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    group_size: int = Field(gt=0)
+    min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
+
+
+class EnvIdentifier(BaseModel):
+    env_id: int
+
+
+class LeaseRequest(BaseModel):
+    """``POST /lease``: a batch the trainer acknowledges after its step."""
+
+    batch_size: int | None = Field(default=None, gt=0)
+    """Sequences wanted; defaults to the registered trainer's batch size."""
+    trainer_id: str | None = None
+
+
+class LeaseId(BaseModel):
+    lease_id: str
+
+
+class PolicyVersion(BaseModel):
+    version: int = Field(ge=0)
+
+
+class APIConfig(BaseModel):
+    """Settings of ``lachesis api``: CLI flags > YAML file (``--config``) > defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    db: Path = Path("runs/api/queue.sqlite")
+    """SQLite file holding the queue; ignored with ``in_memory``."""
+    in_memory: bool = False
+    """Keep everything in memory: faster, but a restart loses the queue."""
+    synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    """SQLite ``synchronous``: FULL survives power loss, NORMAL only process crashes."""
+    token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
+    """Bearer token required on every endpoint when set (env: LACHESIS_API_TOKEN)."""
+    max_body_mb: float = Field(default=64.0, gt=0)
+    """Largest accepted request body (after gzip decompression), in MiB."""
+    lease_timeout_s: float = Field(default=600.0, gt=0)
+    """An unacknowledged lease is redelivered after this long."""
+    max_staleness: int | None = Field(default=None, ge=0)
+    """Drop groups generated more than this many policy versions ago (None: never)."""
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides) -> APIConfig:
+        values = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping of settings")
+            values = loaded.get("api", loaded)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)
+
+    @property
+    def db_path(self) -> str:
+        return ":memory:" if self.in_memory else str(self.db)

@@ -1,0 +1,628 @@
+"""The rollout API: an Atropos-compatible trajectory queue between envs and the trainer.
+
+Envs push scored groups; the trainer takes batches. Speaks atroposlib 0.4.0's protocol
+(``/register``, ``/register-env``, ``/scored_data``, ``/batch``, ``/status-env`` ...) and
+adds what Atropos lacks:
+
+* durability: an accepted group is committed to SQLite (WAL) before the push is
+  answered, and a restarted server resumes its queue and leases;
+* at-least-once delivery: ``POST /lease`` hands out a batch under a lease that the
+  trainer acknowledges (``POST /ack``) after its step; an unacknowledged lease is
+  redelivered after ``lease_timeout_s``;
+* idempotent pushes (client-chosen ``group_id``), policy versions with a staleness bound,
+  per-turn scores, counters of everything received, served and dropped (and why);
+* envs may register before the trainer; nothing changes state on GET except Atropos's
+  own ``GET /batch`` (which is how Atropos trainers take data; native trainers use
+  ``/lease``); any group size; oldest data first.
+
+Concurrency model: one asyncio event loop owns all in-memory state; every SQLite call
+runs on one dedicated worker thread, in arrival order. Concurrent pushes are committed
+together (group commit), so durability costs one fsync per burst, not per group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, TypeVar
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from environments.api.batching import QueuedGroup, select_batch
+from environments.api.queue_db import LeaseRow, QueueDB
+from environments.api.schemas import (
+    APIConfig,
+    EnvIdentifier,
+    LeaseId,
+    LeaseRequest,
+    PolicyVersion,
+    Registration,
+    RegisterEnv,
+)
+from environments.api.wire import AcceptedGroup, WireError, decode_group, decode_group_list
+
+log = logging.getLogger("lachesis.api")
+T = TypeVar("T")
+MIN_ENV_WEIGHT = 0.01  # as Atropos: no env is starved completely
+
+
+class APIError(Exception):
+    """An error answered as JSON: ``{"error": message, "field": field?}``."""
+
+    def __init__(self, status: int, message: str, field: str | None = None,
+                 counter: str | None = None, **extra: Any):
+        super().__init__(message)
+        self.status, self.message, self.field, self.counter = status, message, field, counter
+        self.extra = extra
+
+
+@dataclass
+class EnvRecord:
+    env_id: int
+    desired_name: str
+    real_name: str
+    weight: float
+    group_size: int
+    max_token_length: int
+    min_batch_allocation: float | None
+    connected: bool = True
+    registered_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    trainer: str | None
+    expires_at: float
+    step: int
+    groups: list[QueuedGroup]
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status,
+                        content_type="application/json")
+
+
+class RolloutAPI:
+    def __init__(self, config: APIConfig):
+        self.config = config
+        self.db = QueueDB(config.db_path, synchronous=config.synchronous)
+        self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-db")
+        loaded = self.db.load()
+        self.queue: dict[int, QueuedGroup] = {g.seq: g for g in loaded.queue}
+        self.leases: dict[str, Lease] = {
+            row.lease_id: Lease(row.lease_id, row.trainer, row.expires_at, row.step,
+                                [loaded.leased_groups[s] for s in row.group_seqs])
+            for row in loaded.leases}
+        self.envs: dict[int, EnvRecord] = {
+            env_id: EnvRecord(**record) for env_id, record in loaded.envs.items()}
+        self.trainer: Registration | None = (
+            Registration(**loaded.kv["trainer"]) if loaded.kv.get("trainer") else None)
+        self.step: int = loaded.kv.get("step", 0)
+        self.policy_version: int | None = loaded.kv.get("policy_version")
+        self.counters: Counter[str] = Counter(loaded.counters)
+        self._unsaved_counts: Counter[str] = Counter()  # rejections, saved with the next write
+        self._pending_pushes: list[tuple[list[tuple[AcceptedGroup, str | None]], asyncio.Future]] = []
+        self._flushing = False
+        self._latest_body: bytes | None = None
+        self._expiry_task: asyncio.Task | None = None
+        if self.queue or self.leases:
+            log.info("resumed %d queued groups and %d leases from %s",
+                     len(self.queue), len(self.leases), config.db_path)
+
+    # -- plumbing -------------------------------------------------------------------------
+    async def _in_db_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._db_thread, lambda: fn(*args, **kwargs))
+
+    async def _write(self, method: Callable[..., T], *args: Any,
+                     kv: dict[str, Any] | None = None,
+                     counts: dict[str, int] | None = None) -> T:
+        """Run a QueueDB write; count it in memory once it is committed."""
+        unsaved = self._unsaved_counts  # already in self.counters
+        self._unsaved_counts = Counter()
+        try:
+            result = await self._in_db_thread(method, *args, kv=kv,
+                                              counts=unsaved + Counter(counts or {}))
+        except BaseException:
+            self._unsaved_counts += unsaved
+            raise
+        self.counters.update(counts or {})
+        return result
+
+    def count_rejection(self, reason: str) -> None:
+        self.counters[f"rejected_{reason}"] += 1
+        self._unsaved_counts[f"rejected_{reason}"] += 1
+
+    async def start(self, app: web.Application) -> None:
+        self._expiry_task = asyncio.create_task(self._expire_leases_forever())
+
+    async def stop(self, app: web.Application) -> None:
+        if self._expiry_task:
+            self._expiry_task.cancel()
+        if self._unsaved_counts:
+            await self._write(self.db.put)
+        await self._in_db_thread(self.db.close)
+        self._db_thread.shutdown(wait=True)
+
+    # -- pushes -------------------------------------------------------------------------
+    def _drop_reason(self, group: AcceptedGroup) -> str | None:
+        limit = self.config.max_staleness
+        if (limit is not None and group.policy_version is not None
+                and self.policy_version is not None
+                and self.policy_version - group.policy_version > limit):
+            return "stale"
+        return None
+
+    async def store_groups(self, groups: list[AcceptedGroup]) -> list[dict[str, Any]]:
+        """Commit groups (with concurrent pushes, in one transaction) and queue them."""
+        decided = [(g, self._drop_reason(g)) for g in groups]
+        future = asyncio.get_running_loop().create_future()
+        self._pending_pushes.append((decided, future))
+        if not self._flushing:
+            self._flushing = True
+            asyncio.create_task(self._flush_pushes())
+        seqs = await future
+        results = []
+        for (group, reason), seq in zip(decided, seqs):
+            if seq is None:
+                results.append({"group_id": group.group_id, "duplicate": True})
+                continue
+            if reason is None:
+                self.queue[seq] = QueuedGroup(seq, group.group_id, group.env_id,
+                                              group.n_sequences, group.policy_version)
+                self._latest_body = group.body
+            results.append({"group_id": group.group_id, "duplicate": False,
+                            **({"dropped": reason} if reason else {})})
+        return results
+
+    async def _flush_pushes(self) -> None:
+        try:
+            while self._pending_pushes:
+                batch, self._pending_pushes = self._pending_pushes, []
+                rows = [row for decided, _ in batch for row in decided]
+                try:
+                    seqs, push_counts = await self._write(self.db.insert_groups, rows)
+                except Exception as error:  # nothing of this batch was committed
+                    log.exception("could not commit %d groups", len(rows))
+                    for _, future in batch:
+                        future.set_exception(APIError(503, f"storage error: {error}"))
+                    continue
+                self.counters.update(push_counts)
+                start = 0
+                for decided, future in batch:
+                    future.set_result(seqs[start:start + len(decided)])
+                    start += len(decided)
+        finally:
+            self._flushing = False
+
+    # -- batches ------------------------------------------------------------------------
+    async def _expire_leases(self) -> None:
+        now = time.time()
+        for lease in [l for l in self.leases.values() if l.expires_at <= now]:
+            await self.return_lease(lease, {"leases_expired": 1,
+                                             "redelivered_groups": len(lease.groups)})
+
+    async def _expire_leases_forever(self) -> None:
+        period = min(1.0, self.config.lease_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self._expire_leases()
+            except Exception:
+                log.exception("lease expiry failed")
+
+    async def return_lease(self, lease: Lease, counts: dict[str, int]) -> None:
+        if self.leases.pop(lease.lease_id, None) is None:
+            return
+        await self._write(self.db.finish_lease, lease.lease_id, False, counts=counts)
+        for g in lease.groups:
+            self.queue[g.seq] = g
+        self.queue = dict(sorted(self.queue.items()))  # back in arrival order
+
+    async def _drop_unservable(self, batch_size: int) -> None:
+        """Drop (and count) queued groups that can never be trained: stale ones, and
+        groups with more sequences than a batch holds."""
+        limit = self.config.max_staleness
+        reasons: dict[str, list[QueuedGroup]] = {}
+        for g in self.queue.values():
+            if (limit is not None and g.policy_version is not None
+                    and self.policy_version is not None
+                    and self.policy_version - g.policy_version > limit):
+                reasons.setdefault("stale", []).append(g)
+            elif g.n_sequences > batch_size:
+                reasons.setdefault("larger_than_batch", []).append(g)
+        for reason, groups in reasons.items():
+            for g in groups:
+                del self.queue[g.seq]
+            await self._write(self.db.drop, [g.seq for g in groups], reason, counts={
+                f"dropped_groups_{reason}": len(groups),
+                f"dropped_sequences_{reason}": sum(g.n_sequences for g in groups)})
+
+    async def next_batch(self, batch_size: int) -> list[QueuedGroup] | None:
+        await self._expire_leases()
+        await self._drop_unservable(batch_size)
+        min_shares = {e.env_id: e.min_batch_allocation for e in self.envs.values()
+                      if e.connected and e.min_batch_allocation}
+        chosen = select_batch(self.queue.values(), batch_size, min_shares)
+        if chosen:
+            for g in chosen:
+                del self.queue[g.seq]
+        return chosen
+
+    def _requeue(self, groups: list[QueuedGroup]) -> None:
+        for g in groups:
+            self.queue[g.seq] = g
+        self.queue = dict(sorted(self.queue.items()))
+
+    @staticmethod
+    def _served_counts(groups: list[QueuedGroup]) -> dict[str, int]:
+        return {"served_batches": 1, "served_groups": len(groups),
+                "served_sequences": sum(g.n_sequences for g in groups)}
+
+    async def take_batch(self, batch_size: int) -> list[bytes] | None:
+        """Atropos ``GET /batch``: the batch leaves the queue for good."""
+        chosen = await self.next_batch(batch_size)
+        if not chosen:
+            return None
+        try:
+            bodies = await self._write(self.db.take, [g.seq for g in chosen],
+                                       kv={"step": self.step + 1},
+                                       counts=self._served_counts(chosen))
+        except BaseException:
+            self._requeue(chosen)
+            raise
+        self.step += 1
+        return bodies
+
+    async def lease_batch(self, batch_size: int, trainer: str | None
+                          ) -> tuple[Lease, list[bytes]] | None:
+        chosen = await self.next_batch(batch_size)
+        if not chosen:
+            return None
+        lease = Lease(uuid.uuid4().hex, trainer,
+                      time.time() + self.config.lease_timeout_s, self.step, chosen)
+        row = LeaseRow(lease.lease_id, trainer, time.time(), lease.expires_at, lease.step,
+                       [g.seq for g in chosen])
+        try:
+            bodies = await self._write(self.db.lease, row,
+                                       counts={"leases": 1, **self._served_counts(chosen)})
+        except BaseException:
+            self._requeue(chosen)
+            raise
+        self.leases[lease.lease_id] = lease
+        return lease, bodies
+
+    async def ack(self, lease_id: str) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            self.count_rejection("unknown_lease")
+            raise APIError(409, f"lease {lease_id!r} is not active: it expired (and its "
+                                "groups were redelivered), was acknowledged already, or "
+                                "never existed", field="lease_id")
+        del self.leases[lease_id]
+        try:
+            await self._write(self.db.finish_lease, lease_id, True,
+                              kv={"step": self.step + 1},
+                              counts={"acked_leases": 1, "acked_groups": len(lease.groups)})
+        except BaseException:
+            self.leases[lease_id] = lease
+            raise
+        self.step += 1
+
+    # -- status -------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {
+            "current_step": self.step,
+            "queue_size": len(self.queue),
+            "queued_sequences": sum(g.n_sequences for g in self.queue.values()),
+            "leased_groups": sum(len(l.groups) for l in self.leases.values()),
+            "active_leases": len(self.leases),
+            "policy_version": self.policy_version,
+            "trainer_registered": self.trainer is not None,
+            "durable": not self.config.in_memory,
+            "counters": dict(sorted(self.counters.items())),
+        }
+
+    def env_status(self, env_id: int) -> dict[str, Any]:
+        env = self.envs.get(env_id)
+        if env is None:
+            raise APIError(404, f"unknown env_id {env_id}", field="env_id")
+        connected = [e for e in self.envs.values() if e.connected]
+        total = sum(e.max_token_length * max(0.0, e.weight) for e in connected)
+        weight = env.max_token_length * env.weight / total if total else 1.0
+        min_total = sum(e.min_batch_allocation or 0.0 for e in connected)
+        own = sum(g.n_sequences for g in self.queue.values() if g.env_id == env_id)
+        queued = sum(g.n_sequences for g in self.queue.values())
+        return {
+            "current_step": self.step,
+            "queue_size": queued // env.group_size,
+            "self_queue_size": own // env.group_size,
+            "unallocated_fraction": 1.0 - min(min_total, 1.0),
+            "max_group_size": max((g.n_sequences for g in self.queue.values()), default=1),
+            "env_weight": max(MIN_ENV_WEIGHT, weight),
+        }
+
+
+# -- HTTP layer ------------------------------------------------------------------------------
+API_KEY = web.AppKey("api", RolloutAPI)
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, gunzipped when sent with ``Content-Encoding: gzip``."""
+    api = request.app[API_KEY]
+    limit = int(api.config.max_body_mb * 1024 * 1024)
+    if request.content_length is not None and request.content_length > limit:
+        api.count_rejection("too_large")
+        raise APIError(413, f"request body of {request.content_length} bytes exceeds "
+                            f"the {limit}-byte limit (max_body_mb)")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        api.count_rejection("too_large")
+        raise APIError(413, f"request body exceeds the {limit}-byte limit (max_body_mb, "
+                            "after decompression)") from None
+    except Exception as error:  # broken gzip stream and the like
+        api.count_rejection("malformed")
+        raise APIError(400, f"unreadable request body ({type(error).__name__}: {error})",
+                       field="body") from None
+
+
+async def parse(request: web.Request, model: type[M], allow_empty: bool = False) -> M:
+    body = await read_body(request)
+    if not body.strip() and allow_empty:
+        body = b"{}"
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        api = request.app[API_KEY]
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            api.count_rejection("malformed")
+            raise APIError(400, f"malformed JSON: {first['msg']}", field="body") from None
+        api.count_rejection("invalid")
+        errors = [{"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
+                  for e in error.errors()]
+        raise APIError(422, f"{errors[0]['field']}: {errors[0]['message']}",
+                       field=errors[0]["field"], errors=errors) from None
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):
+    api = request.app[API_KEY]
+    try:
+        if api.config.token is not None:
+            supplied = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(supplied.encode(), f"Bearer {api.config.token}".encode()):
+                api.count_rejection("unauthorized")
+                raise APIError(401, "missing or wrong bearer token (Authorization header)")
+        return await handler(request)
+    except APIError as error:
+        body = {"error": error.message, **({"field": error.field} if error.field else {}),
+                **error.extra}
+        return json_response(body, error.status)
+    except web.HTTPException as error:  # 404, 405 from routing
+        return json_response({"error": error.reason}, error.status)
+    except Exception as error:
+        log.exception("%s %s failed", request.method, request.path)
+        return json_response({"error": f"internal error: {type(error).__name__}: {error}"}, 500)
+
+
+async def handle_scored_data(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    try:
+        group = decode_group(await read_body(request))
+    except WireError as error:
+        api.count_rejection("malformed" if error.status == 400 else "invalid")
+        raise APIError(error.status, str(error), field=error.field) from None
+    result = (await api.store_groups([group]))[0]
+    return json_response({"status": "received", **result})
+
+
+async def handle_scored_data_list(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    try:
+        groups = decode_group_list(await read_body(request))
+    except WireError as error:
+        api.count_rejection("malformed" if error.status == 400 else "invalid")
+        raise APIError(error.status, str(error), field=error.field) from None
+    results = await api.store_groups(groups)
+    return json_response({"status": "received", "groups_processed": len(groups),
+                          "groups": results})
+
+
+def batch_body(bodies: list[bytes] | None, **fields: Any) -> web.Response:
+    """``{...fields, "batch": [stored bodies]}`` assembled without re-encoding them."""
+    head = orjson.dumps(fields)[:-1] + (b"," if fields else b"")
+    batch = b"null" if bodies is None else b"[" + b",".join(bodies) + b"]"
+    return web.Response(body=head + b'"batch":' + batch + b"}",
+                        content_type="application/json")
+
+
+async def handle_batch(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    if api.trainer is None:
+        return json_response({"status": "error", "batch": [],
+                              "message": "Trainer not registered. Call /register first."}, 409)
+    return batch_body(await api.take_batch(api.trainer.batch_size))
+
+
+async def handle_lease(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    req = await parse(request, LeaseRequest, allow_empty=True)
+    batch_size = req.batch_size or (api.trainer.batch_size if api.trainer else None)
+    if batch_size is None:
+        raise APIError(409, "no batch_size: give one or register the trainer first",
+                       field="batch_size")
+    leased = await api.lease_batch(batch_size, req.trainer_id)
+    if leased is None:
+        return batch_body(None, lease_id=None, step=api.step)
+    lease, bodies = leased
+    return batch_body(bodies, lease_id=lease.lease_id, step=api.step,
+                      expires_at=lease.expires_at, policy_version=api.policy_version)
+
+
+async def handle_ack(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    req = await parse(request, LeaseId)
+    await api.ack(req.lease_id)
+    return json_response({"status": "acked", "current_step": api.step})
+
+
+async def handle_nack(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    req = await parse(request, LeaseId)
+    lease = api.leases.get(req.lease_id)
+    if lease is None:
+        raise APIError(409, f"lease {req.lease_id!r} is not active", field="lease_id")
+    await api.return_lease(lease, {"nacked_leases": 1, "redelivered_groups": len(lease.groups)})
+    return json_response({"status": "returned", "groups": len(lease.groups)})
+
+
+async def handle_register(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    reg = await parse(request, Registration)
+    kv: dict[str, Any] = {"trainer": reg.model_dump()}
+    if api.trainer is None and api.step == 0:
+        kv["step"] = reg.starting_step
+    await api._write(api.db.put, kv=kv, counts={"trainer_registrations": 1})
+    api.trainer = reg
+    api.step = kv.get("step", api.step)
+    # Atropos answers a 128-bit integer, more than orjson encodes.
+    return web.Response(text=json.dumps({"uuid": uuid.uuid4().int}),
+                        content_type="application/json")
+
+
+async def handle_register_env(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    req = await parse(request, RegisterEnv)
+    env_id = max(api.envs, default=-1) + 1
+    same_name = sum(e.desired_name == req.desired_name for e in api.envs.values())
+    env = EnvRecord(env_id=env_id, desired_name=req.desired_name,
+                    real_name=f"{req.desired_name}_{same_name}", weight=req.weight,
+                    group_size=req.group_size, max_token_length=req.max_token_length,
+                    min_batch_allocation=req.min_batch_allocation)
+    await api._write(api.db.put_env, env_id, asdict(env), counts={"env_registrations": 1})
+    api.envs[env_id] = env
+    trainer = api.trainer
+    return json_response({
+        "status": "success", "env_id": env_id, "wandb_name": env.real_name,
+        "checkpoint_dir": trainer.checkpoint_dir if trainer else "",
+        "starting_step": api.step,
+        "checkpoint_interval": trainer.save_checkpoint_interval if trainer else 0,
+        "num_steps": trainer.num_steps if trainer else -1,
+    })
+
+
+async def handle_disconnect_env(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    req = await parse(request, EnvIdentifier)
+    env = api.envs.get(req.env_id)
+    if env is None:
+        raise APIError(404, f"unknown env_id {req.env_id}", field="env_id")
+    env.connected = False
+    await api._write(api.db.put_env, env.env_id, asdict(env))
+    return json_response({"status": "success"})
+
+
+async def handle_status_env(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    if "env_id" in request.query:  # also accept ?env_id=N (Atropos sends a JSON body)
+        try:
+            env_id = int(request.query["env_id"])
+        except ValueError:
+            raise APIError(422, "env_id must be an integer", field="env_id") from None
+    else:
+        env_id = (await parse(request, EnvIdentifier)).env_id
+    return json_response(api.env_status(env_id))
+
+
+async def handle_policy_version(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    req = await parse(request, PolicyVersion)
+    if api.policy_version is not None and req.version < api.policy_version:
+        raise APIError(409, f"policy version {req.version} is older than the current "
+                            f"{api.policy_version}", field="version")
+    await api._write(api.db.put, kv={"policy_version": req.version})
+    api.policy_version = req.version
+    return json_response({"policy_version": api.policy_version})
+
+
+async def handle_reset(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    await api._in_db_thread(api.db.reset)
+    api.queue, api.leases, api.envs = {}, {}, {}
+    api.trainer, api.step, api.policy_version = None, 0, None
+    api.counters, api._unsaved_counts = Counter(), Counter()
+    return json_response({"status": "reset"})
+
+
+def build_app(config: APIConfig) -> web.Application:
+    api = RolloutAPI(config)
+    app = web.Application(client_max_size=int(config.max_body_mb * 1024 * 1024),
+                          middlewares=[errors_as_json])
+    app[API_KEY] = api
+    app.on_startup.append(api.start)
+    app.on_cleanup.append(api.stop)
+
+    def get(fn: Callable[[RolloutAPI], Any]):
+        async def handler(request: web.Request) -> web.Response:
+            return json_response(fn(request.app[API_KEY]))
+        return handler
+
+    def info(api: RolloutAPI) -> dict[str, Any]:
+        t = api.trainer
+        return {"batch_size": t.batch_size if t else -1, "max_token_len": t.max_token_len if t else -1}
+
+    def wandb_info(api: RolloutAPI) -> dict[str, Any]:
+        t = api.trainer
+        return {"group": t.wandb_group if t else None, "project": t.wandb_project if t else None}
+
+    async def latest_example(request: web.Request) -> web.Response:
+        body = request.app[API_KEY]._latest_body
+        if body is None:
+            return json_response({"tokens": [], "masks": [], "scores": []})
+        return web.Response(body=body, content_type="application/json")
+
+    app.add_routes([
+        web.get("/", get(lambda api: {"message": "Lachesis rollout API"})),
+        web.get("/health", get(lambda api: {"status": "ok"})),
+        web.post("/register", handle_register),
+        web.post("/register-env", handle_register_env),
+        web.post("/disconnect-env", handle_disconnect_env),
+        web.get("/wandb_info", get(wandb_info)),
+        web.get("/info", get(info)),
+        web.post("/scored_data", handle_scored_data),
+        web.post("/scored_data_list", handle_scored_data_list),
+        web.get("/batch", handle_batch),
+        web.get("/status", get(RolloutAPI.status)),
+        web.get("/status-env", handle_status_env),
+        web.get("/latest_example", latest_example),
+        web.post("/reset_data", handle_reset),
+        web.post("/lease", handle_lease),
+        web.post("/ack", handle_ack),
+        web.post("/nack", handle_nack),
+        web.post("/policy_version", handle_policy_version),
+        web.get("/counters", get(lambda api: dict(sorted(api.counters.items())))),
+    ])
+    return app
+
+
+def serve(config: APIConfig) -> None:
+    """Run the API until interrupted (``lachesis api``)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    app = build_app(config)
+    where = "memory (nothing survives a restart)" if config.in_memory else config.db
+    log.info("rollout API on http://%s:%d, queue in %s%s", config.host, config.port, where,
+             ", bearer token required" if config.token else "")
+    web.run_app(app, host=config.host, port=config.port, access_log=None, print=None)

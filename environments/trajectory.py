@@ -1,0 +1,440 @@
+"""The trajectory data contract: messages, scored trajectories and scored groups.
+
+One trajectory is the full token sequence of one rollout, exactly as the model saw and
+produced it, with:
+
+* ``masks``: Atropos convention, the token id where the token is trained (sampled by the
+  policy) and ``-100`` elsewhere (prompt, tool results, user turns);
+* ``inference_logprobs``: the behaviour policy's logprob per token, ``1.0`` at masked
+  positions;
+* ``scores``: a float, or one float per assistant turn (the last one is the outcome),
+  with ``turn_spans`` giving each assistant turn's ``[start, end)`` token range.
+
+A :class:`ScoredGroup` holds the ``group_size`` trajectories sampled for one item. It
+converts losslessly to and from Atropos's parallel-list ``ScoredData`` form
+(:class:`ScoredData`), which is what travels over HTTP. Atropos consumers see a plain
+float per sequence in ``scores`` (the outcome); the per-turn scores ride along in the
+extension field ``turn_scores``, which Atropos ignores.
+
+Every validation error names the field and the index, e.g. ``masks[2]: length 1023 does
+not match tokens[2] (1024)``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+MASKED = -100
+"""Mask value of a token that is context, not trained (Atropos convention)."""
+
+
+class TrajectoryError(ValueError):
+    """A data-contract violation; ``field`` names the offending field and index."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+def _name(field: str, index: int | None) -> str:
+    return field if index is None else f"{field}[{index}]"
+
+
+def check_sequence(
+    index: int | None,
+    *,
+    n_tokens: int,
+    n_masks: int,
+    n_logprobs: int | None = None,
+    n_advantages: int | None = None,
+    n_ref_logprobs: int | None = None,
+    turn_scores: list[float] | None = None,
+    turn_spans: list[list[int]] | None = None,
+    turn_policy_versions: list[int] | None = None,
+) -> None:
+    """Check the shape rules of one sequence; raise :class:`TrajectoryError` on the first.
+
+    Works on lengths, not on the arrays themselves, so the rollout API can apply exactly
+    the same rules to a body it has not decoded into Python lists. ``index`` is the
+    sequence's position in its group (``None`` for a standalone trajectory).
+    """
+    if n_tokens == 0:
+        raise TrajectoryError(_name("tokens", index), "must not be empty")
+    for field, n in (("masks", n_masks), ("inference_logprobs", n_logprobs),
+                     ("advantages", n_advantages), ("ref_logprobs", n_ref_logprobs)):
+        if n is not None and n != n_tokens:
+            raise TrajectoryError(
+                _name(field, index),
+                f"length {n} does not match {_name('tokens', index)} ({n_tokens})")
+    if turn_spans is not None:
+        previous_end = 0
+        for k, span in enumerate(turn_spans):
+            where = f"{_name('turn_spans', index)}[{k}]"
+            if len(span) != 2:
+                raise TrajectoryError(where, f"must be [start, end], got {list(span)}")
+            start, end = span
+            if not 0 <= start < end <= n_tokens:
+                raise TrajectoryError(
+                    where, f"[{start}, {end}) is empty or outside the {n_tokens} tokens")
+            if start < previous_end:
+                raise TrajectoryError(
+                    where, f"starts at {start}, before the previous turn ends ({previous_end})"
+                    " (spans must be ordered and non-overlapping)")
+            previous_end = end
+    if turn_scores is not None:
+        if turn_spans is None:
+            raise TrajectoryError(_name("turn_spans", index),
+                                  "required when scores are given per turn")
+        if len(turn_scores) == 0:
+            raise TrajectoryError(_name("turn_scores", index), "must not be empty")
+        if len(turn_scores) != len(turn_spans):
+            raise TrajectoryError(
+                _name("turn_spans", index),
+                f"{len(turn_spans)} spans for {len(turn_scores)} turn scores (need one each)")
+    if turn_policy_versions is not None:
+        if turn_spans is None or len(turn_policy_versions) != len(turn_spans):
+            n_spans = 0 if turn_spans is None else len(turn_spans)
+            raise TrajectoryError(
+                _name("turn_policy_versions", index),
+                f"{len(turn_policy_versions)} versions for {n_spans} turn spans")
+
+
+def _custom_error(error: TrajectoryError) -> PydanticCustomError:
+    # Keeps the field name in the error's context so HTTP responses can report it.
+    return PydanticCustomError("trajectory", "{field}: {message}",
+                               {"field": error.field, "message": error.message})
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"
+    """JSON-encoded arguments, as in the OpenAI chat API."""
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """A chat message. Unknown keys are kept (Atropos messages may carry extras)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class TrajectoryFlags(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    truncated: bool = False
+    """Generation stopped at the token limit, not at a natural end."""
+    tool_errors: int = Field(default=0, ge=0)
+    """Tool calls that raised, timed out or could not be parsed."""
+    trainable: bool = True
+    """False for trajectories whose tokens were not sampled by the policy (e.g. a hosted
+    OpenAI-API model used for evaluation or SFT data)."""
+
+
+class ScoredTrajectory(BaseModel):
+    """One rollout: its tokens, what is trained, the behaviour logprobs and its scores."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    tokens: list[int]
+    masks: list[int]
+    scores: float | list[float]
+    """A float, or one score per assistant turn in order; the last one is the outcome."""
+    inference_logprobs: list[float] | None = None
+    turn_spans: list[list[int]] | None = None
+    """``[start, end)`` token range of each assistant turn."""
+    advantages: list[float] | None = None
+    """Per-token advantages set by the env; they override the trainer's estimator."""
+    ref_logprobs: list[float] | None = None
+    messages: list[Message] | None = None
+    policy_version: int | None = None
+    """Weight version that generated the first sampled tokens."""
+    turn_policy_versions: list[int] | None = None
+    """Weight version per assistant turn, when it changed during the rollout."""
+    flags: TrajectoryFlags = Field(default_factory=TrajectoryFlags)
+    overrides: dict[str, Any] | None = None
+    """Atropos per-sequence overrides, kept as they are."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ScoredTrajectory:
+        try:
+            self.check(None)
+        except TrajectoryError as error:
+            raise _custom_error(error) from None
+        return self
+
+    def check(self, index: int | None) -> None:
+        """Apply the data-contract rules, naming fields with ``index`` when given."""
+        check_sequence(
+            index,
+            n_tokens=len(self.tokens),
+            n_masks=len(self.masks),
+            n_logprobs=_len(self.inference_logprobs),
+            n_advantages=_len(self.advantages),
+            n_ref_logprobs=_len(self.ref_logprobs),
+            turn_scores=self.scores if isinstance(self.scores, list) else None,
+            turn_spans=self.turn_spans,
+            turn_policy_versions=self.turn_policy_versions,
+        )
+        for j, (token, mask) in enumerate(zip(self.tokens, self.masks)):
+            if mask != MASKED and mask != token:
+                raise TrajectoryError(
+                    f"{_name('masks', index)}[{j}]",
+                    f"is {mask}; must be {MASKED} or the token id {token}")
+
+    @property
+    def outcome(self) -> float:
+        """The scalar score, or the last turn's score."""
+        return self.scores[-1] if isinstance(self.scores, list) else self.scores
+
+    @property
+    def turn_scores(self) -> list[float] | None:
+        return self.scores if isinstance(self.scores, list) else None
+
+
+def _len(values: list | None) -> int | None:
+    return None if values is None else len(values)
+
+
+def new_group_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ScoredGroup(BaseModel):
+    """The trajectories sampled for one item (one GRPO group)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    group_id: str = Field(default_factory=new_group_id, min_length=1, max_length=200)
+    """Client-chosen id; pushing the same id twice stores the group once."""
+    env: str | None = None
+    env_id: int | None = None
+    item_id: str | None = None
+    trajectories: list[ScoredTrajectory] = Field(min_length=1)
+    generation_params: dict[str, Any] | None = None
+    group_overrides: dict[str, Any] | None = None
+    images: Any = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def policy_version(self) -> int | None:
+        """The oldest weight version that generated any token of the group."""
+        versions = [v for t in self.trajectories
+                    for v in ([t.policy_version] + (t.turn_policy_versions or []))
+                    if v is not None]
+        return min(versions) if versions else None
+
+    def to_scored_data(self) -> ScoredData:
+        """Atropos parallel-list form (plus Lachesis extension fields)."""
+        trajs = self.trajectories
+
+        def column(attribute: str) -> list | None:
+            values = [getattr(t, attribute) for t in trajs]
+            return None if all(v is None for v in values) else values
+
+        def all_or_none(attribute: str) -> list | None:
+            values = column(attribute)
+            if values is not None and any(v is None for v in values):
+                missing = next(i for i, v in enumerate(values) if v is None)
+                raise TrajectoryError(
+                    f"trajectories[{missing}].{attribute}",
+                    "missing while other trajectories of the group have it "
+                    "(Atropos needs it on all sequences or none)")
+            return values
+
+        messages = all_or_none("messages")
+        flags = [t.flags.model_dump() for t in trajs]
+        default_flags = TrajectoryFlags().model_dump()
+        metadata = [t.metadata for t in trajs]
+        return ScoredData(
+            tokens=[t.tokens for t in trajs],
+            masks=[t.masks for t in trajs],
+            scores=[t.outcome for t in trajs],
+            advantages=all_or_none("advantages"),
+            ref_logprobs=all_or_none("ref_logprobs"),
+            messages=messages,
+            generation_params=self.generation_params,
+            inference_logprobs=all_or_none("inference_logprobs"),
+            overrides=all_or_none("overrides"),
+            group_overrides=self.group_overrides,
+            images=self.images,
+            env_id=self.env_id,
+            group_id=self.group_id,
+            env=self.env,
+            item_id=self.item_id,
+            turn_scores=column("turn_scores"),
+            turn_spans=column("turn_spans"),
+            policy_versions=column("policy_version"),
+            turn_policy_versions=column("turn_policy_versions"),
+            flags=None if all(f == default_flags for f in flags) else flags,
+            trajectory_metadata=None if not any(metadata) else metadata,
+            metadata=self.metadata or None,
+        )
+
+    @classmethod
+    def from_scored_data(cls, data: ScoredData | dict[str, Any]) -> ScoredGroup:
+        """Inverse of :meth:`to_scored_data`; also accepts plain Atropos ``ScoredData``."""
+        sd = data if isinstance(data, ScoredData) else ScoredData.model_validate(data)
+
+        def at(values: list | None, i: int) -> Any:
+            return None if values is None else values[i]
+
+        trajectories = []
+        for i, tokens in enumerate(sd.tokens):
+            turn_scores = at(sd.turn_scores, i)
+            trajectories.append(ScoredTrajectory(
+                tokens=tokens,
+                masks=sd.masks[i],
+                scores=sd.scores[i] if turn_scores is None else turn_scores,
+                inference_logprobs=at(sd.inference_logprobs, i),
+                turn_spans=at(sd.turn_spans, i),
+                advantages=at(sd.advantages, i),
+                ref_logprobs=at(sd.ref_logprobs, i),
+                messages=at(sd.messages, i),
+                policy_version=at(sd.policy_versions, i),
+                turn_policy_versions=at(sd.turn_policy_versions, i),
+                flags=at(sd.flags, i) or TrajectoryFlags(),
+                overrides=at(sd.overrides, i),
+                metadata=at(sd.trajectory_metadata, i) or {},
+            ))
+        return cls(
+            group_id=sd.group_id or new_group_id(),
+            env=sd.env,
+            env_id=sd.env_id,
+            item_id=sd.item_id,
+            trajectories=trajectories,
+            generation_params=sd.generation_params,
+            group_overrides=sd.group_overrides,
+            images=sd.images,
+            metadata=sd.metadata or {},
+        )
+
+
+class ScoredData(BaseModel):
+    """Atropos's parallel-list ``ScoredData`` (one entry per sequence), plus extensions.
+
+    The Atropos fields keep Atropos's meaning: ``scores`` is one float per sequence (the
+    outcome). The extension fields (``group_id`` and below) are ignored by Atropos
+    consumers and carry what Atropos has no place for.
+    """
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    tokens: list[list[int]] = Field(min_length=1)
+    masks: list[list[int]]
+    scores: list[float]
+    advantages: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    messages: list[list[Message]] | None = None
+    generation_params: dict[str, Any] | None = None
+    inference_logprobs: list[list[float]] | None = None
+    overrides: list[dict[str, Any]] | None = None
+    group_overrides: dict[str, Any] | None = None
+    images: Any = None
+    env_id: int | None = None
+    # Lachesis extensions.
+    group_id: str | None = Field(default=None, min_length=1, max_length=200)
+    env: str | None = None
+    item_id: str | None = None
+    turn_scores: list[list[float] | None] | None = None
+    turn_spans: list[list[list[int]] | None] | None = None
+    policy_versions: list[int | None] | None = None
+    turn_policy_versions: list[list[int] | None] | None = None
+    flags: list[TrajectoryFlags] | None = None
+    trajectory_metadata: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ScoredData:
+        try:
+            check_parallel_lists(
+                n_tokens=[len(t) for t in self.tokens],
+                n_masks=[len(m) for m in self.masks],
+                n_logprobs=_lens(self.inference_logprobs),
+                n_advantages=_lens(self.advantages),
+                n_ref_logprobs=_lens(self.ref_logprobs),
+                scores=self.scores,
+                turn_scores=self.turn_scores,
+                turn_spans=self.turn_spans,
+                turn_policy_versions=self.turn_policy_versions,
+                per_sequence={"messages": self.messages, "overrides": self.overrides,
+                              "policy_versions": self.policy_versions, "flags": self.flags,
+                              "trajectory_metadata": self.trajectory_metadata},
+            )
+        except TrajectoryError as error:
+            raise _custom_error(error) from None
+        return self
+
+
+def _lens(values: list[list] | None) -> list[int] | None:
+    return None if values is None else [len(v) for v in values]
+
+
+def check_parallel_lists(
+    *,
+    n_tokens: list[int],
+    n_masks: list[int],
+    n_logprobs: list[int] | None,
+    n_advantages: list[int] | None,
+    n_ref_logprobs: list[int] | None,
+    scores: list[float],
+    turn_scores: list[list[float] | None] | None,
+    turn_spans: list | None,
+    turn_policy_versions: list | None,
+    per_sequence: dict[str, list | None],
+) -> None:
+    """The data-contract rules for a group in parallel-list form, on lengths only.
+
+    Every per-sequence list must have one entry per sequence; then each sequence is
+    checked with :func:`check_sequence`; a sequence with per-turn scores must have
+    ``scores[i] == turn_scores[i][-1]`` (the outcome).
+    """
+    n = len(n_tokens)
+    lists: dict[str, list | None] = {
+        "masks": n_masks, "scores": scores, "inference_logprobs": n_logprobs,
+        "advantages": n_advantages, "ref_logprobs": n_ref_logprobs,
+        "turn_scores": turn_scores, "turn_spans": turn_spans,
+        "turn_policy_versions": turn_policy_versions, **per_sequence,
+    }
+    for field, values in lists.items():
+        if values is not None and len(values) != n:
+            raise TrajectoryError(
+                field, f"has {len(values)} entries for {n} sequences in tokens")
+
+    def at(values: list | None, i: int) -> Any:
+        return None if values is None else values[i]
+
+    for i in range(n):
+        sequence_turn_scores = at(turn_scores, i)
+        check_sequence(
+            i,
+            n_tokens=n_tokens[i],
+            n_masks=n_masks[i],
+            n_logprobs=at(n_logprobs, i),
+            n_advantages=at(n_advantages, i),
+            n_ref_logprobs=at(n_ref_logprobs, i),
+            turn_scores=sequence_turn_scores,
+            turn_spans=at(turn_spans, i),
+            turn_policy_versions=at(turn_policy_versions, i),
+        )
+        if sequence_turn_scores is not None and scores[i] != sequence_turn_scores[-1]:
+            raise TrajectoryError(
+                f"scores[{i}]",
+                f"is {scores[i]} but the last turn score (the outcome) is "
+                f"{sequence_turn_scores[-1]}")
