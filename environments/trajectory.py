@@ -125,7 +125,7 @@ class ToolCall(BaseModel):
 class Message(BaseModel):
     """A chat message. Unknown keys are kept (Atropos messages may carry extras)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
@@ -135,7 +135,7 @@ class Message(BaseModel):
 
 
 class TrajectoryFlags(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     truncated: bool = False
     """Generation stopped at the token limit, not at a natural end."""
@@ -149,7 +149,8 @@ class TrajectoryFlags(BaseModel):
 class ScoredTrajectory(BaseModel):
     """One rollout: its tokens, what is trained, the behaviour logprobs and its scores."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid",
+                              validate_assignment=True)
 
     tokens: list[int]
     masks: list[int]
@@ -219,7 +220,8 @@ def new_group_id() -> str:
 class ScoredGroup(BaseModel):
     """The trajectories sampled for one item (one GRPO group)."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid",
+                              validate_assignment=True)
 
     group_id: str = Field(default_factory=new_group_id, min_length=1, max_length=200)
     """Client-chosen id; pushing the same id twice stores the group once."""

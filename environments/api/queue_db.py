@@ -89,6 +89,9 @@ class QueueDB:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        # Group bodies are ~100 KB: 64 KiB pages cut SQLite's overflow-page work per
+        # insert by ~2x (page_size only takes effect on a new database).
+        self.conn.execute("PRAGMA page_size=65536")
         if self.path != ":memory:":
             self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute(f"PRAGMA synchronous={synchronous}")

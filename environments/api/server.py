@@ -115,6 +115,7 @@ class RolloutAPI:
         self._flushing = False
         self._latest_body: bytes | None = None
         self._expiry_task: asyncio.Task | None = None
+        self._recent_acks: dict[str, None] = {}  # insertion-ordered, bounded
         if self.queue or self.leases:
             log.info("resumed %d queued groups and %d leases from %s",
                      len(self.queue), len(self.leases), config.db_path)
@@ -303,6 +304,8 @@ class RolloutAPI:
         return lease, bodies
 
     async def ack(self, lease_id: str) -> None:
+        if lease_id in self._recent_acks:  # a retried ack whose answer was lost
+            return
         lease = self.leases.get(lease_id)
         if lease is None:
             self.count_rejection("unknown_lease")
@@ -318,6 +321,9 @@ class RolloutAPI:
             self.leases[lease_id] = lease
             raise
         self.step += 1
+        self._recent_acks[lease_id] = None
+        if len(self._recent_acks) > 10_000:
+            self._recent_acks.pop(next(iter(self._recent_acks)))
 
     # -- status -------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

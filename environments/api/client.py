@@ -1,0 +1,159 @@
+"""Async client of the rollout API, used by envs (push) and the trainer (lease, ack).
+
+Retries connection errors, timeouts, 429 and 5xx with exponential backoff; never retries
+a 4xx (the request itself is wrong, and the server stored nothing). Pushes carry the
+group's ``group_id``, so a retry after a lost response cannot store a group twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from environments.trajectory import ScoredGroup
+
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+
+
+class APIRequestError(RuntimeError):
+    """The API refused a request (4xx) or kept failing after all retries."""
+
+    def __init__(self, status: int | None, message: str, body: Any = None):
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class LeasedBatch:
+    lease_id: str
+    step: int
+    policy_version: int | None
+    groups: list[ScoredGroup]
+
+
+class RolloutAPIClient:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 10.0,
+        timeout_s: float = 60.0,
+        gzip_min_bytes: int | None = 1024,
+    ):
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.gzip_min_bytes = gzip_min_bytes
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RolloutAPIClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
+        return self._session
+
+    async def request(self, method: str, path: str, payload: Any = None,
+                      body: bytes | None = None) -> Any:
+        """Send one request (JSON ``payload`` or pre-encoded ``body``), with retries."""
+        headers = {}
+        if payload is not None:
+            body = orjson.dumps(payload)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+            if self.gzip_min_bytes is not None and len(body) >= self.gzip_min_bytes:
+                body = gzip.compress(body, compresslevel=1)
+                headers["Content-Encoding"] = "gzip"
+        last_error = "no attempt made"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            try:
+                async with self.session.request(method, self.url + path, data=body,
+                                                headers=headers) as response:
+                    data = await response.read()
+                    parsed = orjson.loads(data) if data else None
+                    if response.status < 400:
+                        return parsed
+                    message = parsed.get("error", data.decode()) if isinstance(parsed, dict) else data.decode()
+                    if response.status not in RETRY_STATUSES:
+                        raise APIRequestError(response.status, message, parsed)
+                    last_error = f"{response.status}: {message}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as error:
+                last_error = f"{type(error).__name__}: {error}"
+        raise APIRequestError(None, f"{method} {path} failed after {self.retries + 1} "
+                                    f"attempts; last error: {last_error}")
+
+    # -- envs -------------------------------------------------------------------------------
+    async def register_env(self, name: str, *, group_size: int, max_token_length: int,
+                           weight: float = 1.0, min_batch_allocation: float | None = None
+                           ) -> dict[str, Any]:
+        return await self.request("POST", "/register-env", {
+            "desired_name": name, "group_size": group_size, "weight": weight,
+            "max_token_length": max_token_length,
+            "min_batch_allocation": min_batch_allocation})
+
+    async def push_group(self, group: ScoredGroup) -> dict[str, Any]:
+        """Push one group; returns ``{"status", "group_id", "duplicate", ...}``."""
+        return await self.request("POST", "/scored_data",
+                                  body=group.to_scored_data().model_dump_json().encode())
+
+    async def push_groups(self, groups: list[ScoredGroup]) -> dict[str, Any]:
+        body = b"[" + b",".join(g.to_scored_data().model_dump_json().encode()
+                               for g in groups) + b"]"
+        return await self.request("POST", "/scored_data_list", body=body)
+
+    async def env_status(self, env_id: int) -> dict[str, Any]:
+        return await self.request("GET", f"/status-env?env_id={env_id}")
+
+    # -- trainer ----------------------------------------------------------------------------
+    async def register_trainer(self, *, batch_size: int, max_token_len: int,
+                               **fields: Any) -> dict[str, Any]:
+        return await self.request("POST", "/register", {
+            "batch_size": batch_size, "max_token_len": max_token_len, **fields})
+
+    async def lease(self, batch_size: int | None = None,
+                    trainer_id: str | None = None) -> LeasedBatch | None:
+        """Lease the next batch, or None when not enough data is queued yet."""
+        data = await self.request("POST", "/lease",
+                                  {"batch_size": batch_size, "trainer_id": trainer_id})
+        if data["batch"] is None:
+            return None
+        return LeasedBatch(data["lease_id"], data["step"], data.get("policy_version"),
+                           [ScoredGroup.from_scored_data(g) for g in data["batch"]])
+
+    async def ack(self, lease_id: str) -> dict[str, Any]:
+        return await self.request("POST", "/ack", {"lease_id": lease_id})
+
+    async def nack(self, lease_id: str) -> dict[str, Any]:
+        return await self.request("POST", "/nack", {"lease_id": lease_id})
+
+    async def set_policy_version(self, version: int) -> dict[str, Any]:
+        return await self.request("POST", "/policy_version", {"version": version})
+
+    async def status(self) -> dict[str, Any]:
+        return await self.request("GET", "/status")

@@ -1,0 +1,113 @@
+"""Shared test helpers: in-process API servers, real server subprocesses, group builders."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from environments.api.schemas import APIConfig
+from environments.api.server import API_KEY, build_app
+from environments.trajectory import ScoredGroup, ScoredTrajectory
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_group(n: int = 2, length: int = 6, *, group_id: str | None = None,
+               env_id: int | None = None, policy_version: int | None = None,
+               turn_scores: bool = False, seed: int = 0) -> ScoredGroup:
+    """A small valid group: prompt of 2 tokens, the rest sampled."""
+    trajectories = []
+    for i in range(n):
+        tokens = [(seed * 31 + i * 7 + j) % 250 + 1 for j in range(length)]
+        masks = [-100, -100] + tokens[2:]
+        logprobs = [1.0, 1.0] + [-0.5] * (length - 2)
+        extra = {}
+        if turn_scores:
+            extra = {"scores": [0.5, float(i)], "turn_spans": [[2, 4], [4, length]]}
+        trajectories.append(ScoredTrajectory(
+            tokens=tokens, masks=masks, inference_logprobs=logprobs,
+            scores=extra.pop("scores", float(i)), policy_version=policy_version, **extra))
+    kwargs = {"group_id": group_id} if group_id else {}
+    return ScoredGroup(trajectories=trajectories, env_id=env_id, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def running_api(**settings):
+    """An in-process rollout API (real aiohttp server on a free port)."""
+    settings.setdefault("in_memory", True)
+    server = TestServer(build_app(APIConfig(**settings)), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), server.app[API_KEY]
+    finally:
+        await server.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class APIProcess:
+    """`lachesis api` as a real subprocess, for crash and restart tests."""
+
+    def __init__(self, *args: str, port: int | None = None):
+        self.port = port or free_port()
+        self.args = args
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> APIProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "environments.cli", "api", "--port", str(self.port),
+             *self.args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"API exited: {self.proc.stdout.read().decode()}")
+            try:
+                urllib.request.urlopen(self.url + "/", timeout=1)
+                return self
+            except OSError as error:
+                if getattr(error, "code", None) == 401:  # up, and wants a token
+                    return self
+                time.sleep(0.1)
+        raise RuntimeError("API did not come up")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def api_process():
+    started: list[APIProcess] = []
+
+    def factory(*args: str, port: int | None = None) -> APIProcess:
+        p = APIProcess(*args, port=port)
+        started.append(p)
+        return p.start()
+
+    yield factory
+    for p in started:
+        p.kill()
