@@ -17,6 +17,7 @@ The accepted body is stored as received and served to trainers byte for byte.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,11 +109,14 @@ def _lengths(arrays: list[msgspec.Raw] | None, field: str, measure) -> list[int]
 
 
 def _msgspec_field(error: msgspec.ValidationError) -> str:
-    # msgspec says "... - at `$.tokens[0][3]`"; report "tokens[0][3]".
+    """``"Expected `int`, got `str` - at `$.tokens[0][3]`"`` -> ``"tokens[0][3]"``;
+    ``"Object missing required field `scores`"`` -> ``"scores"``."""
     text = str(error)
-    if "at `$" in text:
-        return text.rsplit("at `$", 1)[1].rstrip("`").lstrip(".") or "body"
-    return "body"
+    path = text.rsplit("at `$", 1)[1].rstrip("`").lstrip(".") if "at `$" in text else ""
+    missing = re.search(r"missing required field `([^`]+)`", text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or "body"
 
 
 def _pydantic_field(prefix: str, error: ValidationError) -> tuple[str, str]:

@@ -1,0 +1,219 @@
+"""The rollout API over real HTTP: Atropos protocol flows, bad input, auth, leases."""
+
+import asyncio
+import gzip
+import json
+
+import aiohttp
+import orjson
+import pytest
+
+from environments.api.client import APIRequestError, RolloutAPIClient
+from conftest import make_group, run, running_api
+
+TRAINER = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4, "max_token_len": 64,
+           "checkpoint_dir": "/tmp/ckpt", "save_checkpoint_interval": 10,
+           "starting_step": 0, "num_steps": 100}
+ENV = {"max_token_length": 64, "desired_name": "arith", "weight": 1.0, "group_size": 2}
+
+
+async def call(session, method, url, payload=None, *, data=None, headers=None):
+    if payload is not None:
+        data = json.dumps(payload).encode()
+    async with session.request(method, url, data=data, headers=headers) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def test_atropos_flow_env_registers_before_trainer():
+    async def scenario():
+        async with running_api() as (url, api), aiohttp.ClientSession() as s:
+            # An env may register before any trainer exists (Atropos says "wait").
+            status, env = await call(s, "POST", url + "/register-env", ENV)
+            assert status == 200 and env["status"] == "success" and env["env_id"] == 0
+            # atroposlib envs gzip bodies >= 1 KB and send env_id.
+            for i in range(3):
+                body = make_group(2, seed=i).to_scored_data().model_dump()
+                body.update(env_id=0, group_id=None)
+                raw = gzip.compress(json.dumps(body).encode())
+                status, out = await call(s, "POST", url + "/scored_data", data=raw, headers={
+                    "Content-Type": "application/json", "Content-Encoding": "gzip"})
+                assert status == 200 and out["status"] == "received"
+            # atroposlib sends GET /status-env with a JSON body.
+            status, st = await call(s, "GET", url + "/status-env", {"env_id": 0})
+            assert st["self_queue_size"] == 3 and st["env_weight"] == 1.0
+            status, out = await call(s, "GET", url + "/batch")
+            assert status == 409 and out["batch"] == []  # trainer not registered yet
+            status, reg = await call(s, "POST", url + "/register", TRAINER)
+            assert status == 200 and isinstance(reg["uuid"], int)
+            assert (await call(s, "GET", url + "/info"))[1] == {"batch_size": 4, "max_token_len": 64}
+            status, out = await call(s, "GET", url + "/batch")
+            batch = out["batch"]
+            assert sum(len(g["tokens"]) for g in batch) == 4  # exactly batch_size
+            assert [g["tokens"] for g in batch] == [
+                make_group(2, seed=i).to_scored_data().tokens for i in (0, 1)]  # oldest first
+            status, out = await call(s, "GET", url + "/batch")
+            assert out["batch"] is None  # 2 sequences left: not a full batch
+            status, st = await call(s, "GET", url + "/status")
+            assert st["current_step"] == 1 and st["queue_size"] == 1
+            c = st["counters"]
+            assert c["received_groups"] == 3 and c["served_sequences"] == 4
+            # A second env registering under the same name gets its own id and name.
+            status, env2 = await call(s, "POST", url + "/register-env", ENV)
+            assert env2["env_id"] == 1 and env2["wandb_name"] == "arith_1"
+            assert env2["checkpoint_dir"] == "/tmp/ckpt" and env2["starting_step"] == 1
+            assert (await call(s, "POST", url + "/disconnect-env", {"env_id": 1}))[0] == 200
+    run(scenario())
+
+
+def test_odd_group_sizes_still_make_exact_batches():
+    async def scenario():
+        async with running_api() as (url, api), RolloutAPIClient(url) as client:
+            await client.register_trainer(batch_size=6, max_token_len=64)
+            for n in (3, 5, 3):
+                await client.push_group(make_group(n, seed=n))
+            batch = await client.lease()
+            assert [len(g.trajectories) for g in batch.groups] == [3, 3]
+    run(scenario())
+
+
+@pytest.mark.parametrize("body, status, field", [
+    (b"{not json", 400, "body"),
+    (b'{"tokens": [[1, 2]], "masks": [[1]], "scores": [1.0]}', 422, "masks[0]"),
+    (b'{"tokens": [[1, 2]], "masks": [[1, 2]]}', 422, "scores"),
+    (b'{"tokens": [[1, "x"]], "masks": [[1, 2]], "scores": [1]}', 422, "tokens[0]"),
+    (b'{"tokens": [[1, 2]], "masks": [[1, 2]], "scores": [1], "turn_scores": [[1]], '
+     b'"turn_spans": [[[0, 9]]]}', 422, "turn_spans[0][0]"),
+    (b"[1, 2]", 422, "body"),
+])
+def test_bad_input_is_refused_with_the_field_and_nothing_is_stored(body, status, field):
+    async def scenario():
+        async with running_api() as (url, api), aiohttp.ClientSession() as s:
+            code, out = await call(s, "POST", url + "/scored_data", data=body,
+                                   headers={"Content-Type": "application/json"})
+            assert code == status
+            assert out["field"] == field and out["error"]
+            # in a list, the group's index is named too; still all-or-nothing
+            good = make_group().to_scored_data().model_dump_json().encode()
+            code, out = await call(s, "POST", url + "/scored_data_list",
+                                   data=b"[" + good + b"," + body + b"]")
+            assert code in (400, 422) and (out["field"].startswith("[1].") or code == 400)
+            st = api.status()
+            assert st["queue_size"] == 0 and "received_groups" not in st["counters"]
+            c = st["counters"]
+            assert c.get("rejected_invalid", 0) + c.get("rejected_malformed", 0) == 2
+    run(scenario())
+
+
+def test_body_size_limit_and_gzip_bombs():
+    async def scenario():
+        async with running_api(max_body_mb=0.05) as (url, api), aiohttp.ClientSession() as s:
+            big = make_group(8, 1000).to_scored_data().model_dump_json().encode()
+            code, out = await call(s, "POST", url + "/scored_data", data=big)
+            assert code == 413 and "limit" in out["error"]
+            # small on the wire, too big once decompressed
+            code, out = await call(s, "POST", url + "/scored_data", data=gzip.compress(big),
+                                   headers={"Content-Encoding": "gzip"})
+            assert code == 413
+            code, out = await call(s, "POST", url + "/scored_data", data=b"\x1f\x8b garbage",
+                                   headers={"Content-Encoding": "gzip"})
+            assert code == 400
+            assert api.status()["queue_size"] == 0
+            assert api.counters["rejected_too_large"] == 2
+    run(scenario())
+
+
+def test_bearer_token_guards_every_endpoint():
+    async def scenario():
+        async with running_api(token="s3cret") as (url, api), aiohttp.ClientSession() as s:
+            for method, path in [("GET", "/status"), ("GET", "/batch"), ("POST", "/register"),
+                                 ("POST", "/scored_data"), ("POST", "/lease"),
+                                 ("GET", "/health"), ("GET", "/latest_example")]:
+                code, out = await call(s, method, url + path, data=b"{}")
+                assert code == 401, path
+                code, _ = await call(s, method, url + path, data=b"{}",
+                                     headers={"Authorization": "Bearer wrong"})
+                assert code == 401, path
+            async with RolloutAPIClient(url, token="s3cret") as client:
+                out = await client.push_group(make_group())
+                assert out["status"] == "received"
+            async with RolloutAPIClient(url, token="nope", retries=0) as client:
+                with pytest.raises(APIRequestError) as error:
+                    await client.push_group(make_group())
+                assert error.value.status == 401
+            assert api.status()["queue_size"] == 1
+    run(scenario())
+
+
+def test_retried_push_with_the_same_group_id_is_a_no_op():
+    async def scenario():
+        async with running_api() as (url, api), RolloutAPIClient(url) as client:
+            group = make_group(group_id="item-1-try-0")
+            first = await client.push_group(group)
+            again = await client.push_group(group)
+            assert (first["duplicate"], again["duplicate"]) == (False, True)
+            out = await client.push_groups([group, make_group(group_id="other")])
+            assert [g["duplicate"] for g in out["groups"]] == [True, False]
+            st = api.status()
+            assert st["queue_size"] == 2 and st["counters"]["duplicate_pushes"] == 2
+    run(scenario())
+
+
+def test_unacknowledged_lease_is_redelivered_after_the_timeout():
+    async def scenario():
+        async with running_api(lease_timeout_s=0.5) as (url, api), RolloutAPIClient(url) as client:
+            await client.register_trainer(batch_size=4, max_token_len=64)
+            ids = [f"g{i}" for i in range(4)]
+            for gid in ids:
+                await client.push_group(make_group(group_id=gid))
+            first = await client.lease()
+            second = await client.lease()
+            assert [g.group_id for g in first.groups] == ids[:2]
+            await client.ack(second.lease_id)
+            await client.ack(second.lease_id)  # a retried ack is fine
+            assert await client.lease() is None
+            await asyncio.sleep(1.0)  # the first trainer died: its lease expires
+            again = await client.lease()
+            assert [g.group_id for g in again.groups] == ids[:2]  # back, in order
+            with pytest.raises(APIRequestError) as error:
+                await client.ack(first.lease_id)  # too late: it was redelivered
+            assert error.value.status == 409
+            await client.nack(again.lease_id)  # handed back at once
+            final = await client.lease()
+            await client.ack(final.lease_id)
+            c = api.counters
+            assert c["leases_expired"] == 1 and c["redelivered_groups"] == 4
+            assert c["acked_groups"] == 4 and api.status()["queue_size"] == 0
+            assert api.step == 2
+    run(scenario())
+
+
+def test_stale_groups_are_dropped_and_counted():
+    async def scenario():
+        async with running_api(max_staleness=1) as (url, api), RolloutAPIClient(url) as client:
+            await client.register_trainer(batch_size=2, max_token_len=64)
+            await client.push_group(make_group(policy_version=0, group_id="v0"))
+            await client.push_group(make_group(policy_version=1, group_id="v1"))
+            await client.set_policy_version(2)
+            out = await client.push_group(make_group(policy_version=0, group_id="v0-late"))
+            assert out["dropped"] == "stale"
+            batch = await client.lease()
+            assert [g.group_id for g in batch.groups] == ["v1"]
+            c = api.counters
+            assert c["dropped_groups_stale"] == 2 and c["dropped_sequences_stale"] == 4
+            with pytest.raises(APIRequestError) as error:
+                await client.set_policy_version(1)
+            assert error.value.status == 409
+    run(scenario())
+
+
+def test_nothing_mutates_on_get():
+    async def scenario():
+        async with running_api() as (url, api), aiohttp.ClientSession() as s:
+            await call(s, "POST", url + "/scored_data",
+                       data=make_group().to_scored_data().model_dump_json().encode())
+            code, out = await call(s, "GET", url + "/reset_data")
+            assert code == 405
+            assert api.status()["queue_size"] == 1
+            code, out = await call(s, "POST", url + "/reset_data")
+            assert code == 200 and api.status()["queue_size"] == 0
+    run(scenario())
