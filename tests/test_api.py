@@ -73,6 +73,15 @@ def test_odd_group_sizes_still_make_exact_batches():
                 await client.push_group(make_group(n, seed=n))
             batch = await client.lease()
             assert [len(g.trajectories) for g in batch.groups] == [3, 3]
+            # a smaller lease skips the group of 5 but does not drop it ...
+            await client.push_group(make_group(2, seed=9))
+            assert [len(g.trajectories) for g in (await client.lease(batch_size=2)).groups] == [2]
+            assert api.status()["queued_sequences"] == 5
+            # ... a group bigger than the trainer's batch can never train: dropped, counted
+            await client.push_group(make_group(7, seed=7))
+            assert await client.lease() is None
+            assert api.counters["dropped_groups_larger_than_batch"] == 1
+            assert api.status()["queued_sequences"] == 5
     run(scenario())
 
 

@@ -226,21 +226,20 @@ class RolloutAPI:
         if self.leases.pop(lease.lease_id, None) is None:
             return
         await self._write(self.db.finish_lease, lease.lease_id, False, counts=counts)
-        for g in lease.groups:
-            self.queue[g.seq] = g
-        self.queue = dict(sorted(self.queue.items()))  # back in arrival order
+        self._requeue(lease.groups)
 
-    async def _drop_unservable(self, batch_size: int) -> None:
+    async def _drop_unservable(self) -> None:
         """Drop (and count) queued groups that can never be trained: stale ones, and
-        groups with more sequences than a batch holds."""
+        groups with more sequences than the registered trainer's batch holds."""
         limit = self.config.max_staleness
+        batch_size = self.trainer.batch_size if self.trainer else None
         reasons: dict[str, list[QueuedGroup]] = {}
         for g in self.queue.values():
             if (limit is not None and g.policy_version is not None
                     and self.policy_version is not None
                     and self.policy_version - g.policy_version > limit):
                 reasons.setdefault("stale", []).append(g)
-            elif g.n_sequences > batch_size:
+            elif batch_size is not None and g.n_sequences > batch_size:
                 reasons.setdefault("larger_than_batch", []).append(g)
         for reason, groups in reasons.items():
             for g in groups:
@@ -251,10 +250,11 @@ class RolloutAPI:
 
     async def next_batch(self, batch_size: int) -> list[QueuedGroup] | None:
         await self._expire_leases()
-        await self._drop_unservable(batch_size)
+        await self._drop_unservable()
         min_shares = {e.env_id: e.min_batch_allocation for e in self.envs.values()
                       if e.connected and e.min_batch_allocation}
-        chosen = select_batch(self.queue.values(), batch_size, min_shares)
+        fitting = (g for g in self.queue.values() if g.n_sequences <= batch_size)
+        chosen = select_batch(fitting, batch_size, min_shares)
         if chosen:
             for g in chosen:
                 del self.queue[g.seq]
