@@ -226,3 +226,15 @@ def test_nothing_mutates_on_get():
             code, out = await call(s, "POST", url + "/reset_data")
             assert code == 200 and api.status()["queue_size"] == 0
     run(scenario())
+
+
+def test_config_file_layering_and_bad_settings(tmp_path):
+    from environments.api.schemas import APIConfig
+    from environments.cli import main
+    from conftest import REPO
+
+    config = APIConfig.load(REPO / "configs" / "api.yaml", port=9001)
+    assert config.port == 9001 and config.lease_timeout_s == 600  # flag > file > default
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("api:\n  lease_timeout: 5\n")
+    assert main(["api", "--config", str(bad)]) == 2  # unknown key: refused, named
