@@ -24,7 +24,7 @@ from pathlib import Path
 import orjson
 from pydantic import ValidationError
 
-from environments.trajectory import ScoredData, ScoredGroup, TrajectoryError
+from environments.trajectory import ScoredData, ScoredGroup, TrajectoryError, field_path
 
 
 class BadLineError(ValueError):
@@ -61,7 +61,7 @@ def parse_group_line(line: bytes) -> ScoredGroup:
 def _describe(error: Exception) -> str:
     if isinstance(error, ValidationError):
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = field_path(first["loc"])
         return f"{where + ': ' if where else ''}{first['msg']}"
     if isinstance(error, orjson.JSONDecodeError):
         return f"malformed JSON ({error})"

@@ -104,6 +104,12 @@ def check_sequence(
                 f"{len(turn_policy_versions)} versions for {n_spans} turn spans")
 
 
+def field_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
+    """A pydantic error location as a field name: ``("tokens", 2, 5)`` -> ``tokens[2][5]``."""
+    path = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    return path.lstrip(".")
+
+
 def _custom_error(error: TrajectoryError) -> PydanticCustomError:
     # Keeps the field name in the error's context so HTTP responses can report it.
     return PydanticCustomError("trajectory", "{field}: {message}",

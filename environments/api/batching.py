@@ -116,7 +116,8 @@ def select_batch(
     if taken < batch_size:
         window = rest[:search_window]
         # Refill the free part exactly, from groups not reserved by minimum shares.
-        reserved = [g for g in chosen if g.seq not in {r.seq for r in window}]
+        in_window = {g.seq for g in window}
+        reserved = [g for g in chosen if g.seq not in in_window]
         capacity = batch_size - sum(g.n_sequences for g in reserved)
         exact = _exact_fill([g.n_sequences for g in window], capacity)
         if exact is not None:

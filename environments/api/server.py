@@ -49,6 +49,7 @@ from environments.api.schemas import (
     RegisterEnv,
 )
 from environments.api.wire import AcceptedGroup, WireError, decode_group, decode_group_list
+from environments.trajectory import field_path
 
 log = logging.getLogger("lachesis.api")
 T = TypeVar("T")
@@ -156,13 +157,15 @@ class RolloutAPI:
         self._db_thread.shutdown(wait=True)
 
     # -- pushes -------------------------------------------------------------------------
-    def _drop_reason(self, group: AcceptedGroup) -> str | None:
+    def _is_stale(self, policy_version: int | None) -> bool:
+        """Generated more than ``max_staleness`` versions before the current policy."""
         limit = self.config.max_staleness
-        if (limit is not None and group.policy_version is not None
+        return (limit is not None and policy_version is not None
                 and self.policy_version is not None
-                and self.policy_version - group.policy_version > limit):
-            return "stale"
-        return None
+                and self.policy_version - policy_version > limit)
+
+    def _drop_reason(self, group: AcceptedGroup) -> str | None:
+        return "stale" if self._is_stale(group.policy_version) else None
 
     async def store_groups(self, groups: list[AcceptedGroup]) -> list[dict[str, Any]]:
         """Commit groups (with concurrent pushes, in one transaction) and queue them."""
@@ -231,13 +234,10 @@ class RolloutAPI:
     async def _drop_unservable(self) -> None:
         """Drop (and count) queued groups that can never be trained: stale ones, and
         groups with more sequences than the registered trainer's batch holds."""
-        limit = self.config.max_staleness
         batch_size = self.trainer.batch_size if self.trainer else None
         reasons: dict[str, list[QueuedGroup]] = {}
         for g in self.queue.values():
-            if (limit is not None and g.policy_version is not None
-                    and self.policy_version is not None
-                    and self.policy_version - g.policy_version > limit):
+            if self._is_stale(g.policy_version):
                 reasons.setdefault("stale", []).append(g)
             elif batch_size is not None and g.n_sequences > batch_size:
                 reasons.setdefault("larger_than_batch", []).append(g)
@@ -325,6 +325,14 @@ class RolloutAPI:
         if len(self._recent_acks) > 10_000:
             self._recent_acks.pop(next(iter(self._recent_acks)))
 
+    async def reset(self) -> None:
+        """Forget everything: queue, leases, envs, trainer, step, version, counters."""
+        await self._in_db_thread(self.db.reset)
+        self.queue, self.leases, self.envs = {}, {}, {}
+        self.trainer, self.step, self.policy_version = None, 0, None
+        self.counters, self._unsaved_counts = Counter(), Counter()
+        self._latest_body, self._recent_acks = None, {}
+
     # -- status -------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         return {
@@ -397,7 +405,7 @@ async def parse(request: web.Request, model: type[M], allow_empty: bool = False)
             api.count_rejection("malformed")
             raise APIError(400, f"malformed JSON: {first['msg']}", field="body") from None
         api.count_rejection("invalid")
-        errors = [{"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
+        errors = [{"field": field_path(e["loc"]) or "body", "message": e["msg"]}
                   for e in error.errors()]
         raise APIError(422, f"{errors[0]['field']}: {errors[0]['message']}",
                        field=errors[0]["field"], errors=errors) from None
@@ -565,11 +573,7 @@ async def handle_policy_version(request: web.Request) -> web.Response:
 
 
 async def handle_reset(request: web.Request) -> web.Response:
-    api = request.app[API_KEY]
-    await api._in_db_thread(api.db.reset)
-    api.queue, api.leases, api.envs = {}, {}, {}
-    api.trainer, api.step, api.policy_version = None, 0, None
-    api.counters, api._unsaved_counts = Counter(), Counter()
+    await request.app[API_KEY].reset()
     return json_response({"status": "reset"})
 
 

@@ -29,6 +29,7 @@ from environments.trajectory import (
     TrajectoryError,
     TrajectoryFlags,
     check_parallel_lists,
+    field_path,
     new_group_id,
 )
 
@@ -121,8 +122,7 @@ def _msgspec_field(error: msgspec.ValidationError) -> str:
 
 def _pydantic_field(prefix: str, error: ValidationError) -> tuple[str, str]:
     first = error.errors()[0]
-    path = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-    return path, first["msg"]
+    return field_path(first["loc"], prefix), first["msg"]
 
 
 def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
