@@ -45,10 +45,132 @@ def _run_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_env(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "env", help="run an environment: serve (to the API), process (to JSONL), evaluate",
+        description="Run an environment. NAME is a registered env (e.g. arithmetic_tool), "
+                    "path/to/file.py:Class or package.module:Class. Every setting of the "
+                    "env's config is also a flag (--group-size 4 ...): flags > --config "
+                    "YAML > class defaults. `lachesis env serve NAME --help` lists them.",
+        add_help=False)
+    p.add_argument("action", choices=["serve", "process", "evaluate"])
+    p.add_argument("name", help="registered name, path/to/file.py:Class or module:Class")
+    p.set_defaults(run=None)
+
+
+def _config_flags(parser: argparse.ArgumentParser, config_class) -> list[str]:
+    """One ``--flag`` per config field; values are parsed as YAML (``4``, ``true``, ``[a, b]``);
+    a list field also takes ``a,b``."""
+    names = []
+    group = parser.add_argument_group(f"settings ({config_class.__name__})")
+    for name, field in config_class.model_fields.items():
+        doc = (field.description or "").split("\n")[0]
+        group.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
+                           help=f"{doc} (default: {field.get_default(call_default_factory=True)!r})")
+        names.append(name)
+    return names
+
+
+def _parse_flag(value: str, annotation) -> object:
+    import typing
+
+    import yaml
+
+    parsed = yaml.safe_load(value)
+    origin = typing.get_origin(annotation)
+    if origin is list and isinstance(parsed, str):
+        return [v.strip() for v in parsed.split(",") if v.strip()]
+    if annotation in (str, typing.Optional[str]) and parsed is not None:
+        return value
+    return parsed
+
+
+def _run_env(argv: list[str]) -> int:
+    import asyncio
+    import json
+    import logging
+
+    from environments.registry import EnvNotFoundError, load_env_class
+
+    head = argparse.ArgumentParser(prog="lachesis env", add_help=False)
+    head.add_argument("action", choices=["serve", "process", "evaluate"])
+    head.add_argument("name")
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: lachesis env {serve,process,evaluate} NAME [--config F] [settings]\n"
+              "       lachesis env serve NAME --help   lists the settings of NAME")
+        return 0
+    known, rest = head.parse_known_args(argv)
+    try:
+        env_class = load_env_class(known.name)
+    except EnvNotFoundError as error:
+        print(f"lachesis env: {error}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"lachesis env {known.action} {known.name}")
+    parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
+    if known.action == "process":
+        parser.add_argument("--out", type=Path, required=True, help="JSONL file to append groups to")
+        parser.add_argument("--groups", type=int, required=True, help="number of groups to write")
+    parser.add_argument("--log-level", default="INFO")
+    names = _config_flags(parser, env_class.config_class)
+    args = parser.parse_args(rest)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    fields = env_class.config_class.model_fields
+    try:
+        overrides = {n: _parse_flag(getattr(args, n), fields[n].annotation)
+                     for n in names if getattr(args, n) is not None}
+        config = env_class.config_class.load(args.config, **overrides)
+    except (ValidationError, ValueError, OSError) as error:
+        print(f"lachesis env: bad configuration: {error}", file=sys.stderr)
+        return 2
+
+    async def main() -> dict:
+        env = env_class(config)
+        await env.start()
+        try:
+            if known.action == "serve":
+                return await env.serve()
+            if known.action == "process":
+                return await env.process(args.out, args.groups)
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    try:
+        result = asyncio.run(main())
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, ValueError, OSError) as error:
+        print(f"lachesis env {known.action}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "make-tiny-model", help="build a tiny random Qwen2 model + byte tokenizer (no downloads)")
+    p.add_argument("out", type=Path, help="directory to write the HF model to")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_run_make_tiny_model)
+
+
+def _run_make_tiny_model(args: argparse.Namespace) -> int:
+    from environments.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.out, seed=args.seed)
+    print(f"tiny model written to {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["env"]:  # its flags depend on the env's config class
+        return _run_env(argv[1:])
     parser = argparse.ArgumentParser(prog="lachesis", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_api(subparsers)
+    _add_env(subparsers)
+    _add_make_tiny_model(subparsers)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -111,3 +111,4 @@ def api_process():
     yield factory
     for p in started:
         p.kill()
+from vllm_fixture import tiny_model_dir, vllm_server  # noqa: E402,F401  (one vLLM server per test session)

@@ -1,0 +1,205 @@
+"""The multi-turn agent loop: sample a turn, run its tool calls, append the results, repeat.
+
+The loop builds the trajectory's token sequence as it goes (see
+:mod:`environments.inference.chat_template`): prompt tokens, then each turn's sampled ids
+exactly as the inference server returned them (mask = the id, logprob as returned), then
+the tokens of the tool results and the next generation prompt (mask ``-100``, logprob
+``1.0``). Nothing sampled is ever re-tokenized.
+
+An episode ends when the model answers without calling a tool, when ``max_turns``
+assistant turns have been sampled, or when the token budget (``max_token_length``) is
+spent; the last two set ``truncated``. A tool that raises, times out, gets bad arguments
+or does not exist sends an error message back to the model as the tool result, and is
+counted in ``tool_errors``; so is a malformed tool-call block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from environments.inference.chat_template import ChatRenderer
+from environments.tool_parsers import (
+    ParsedToolCall,
+    ParsedTurn,
+    ToolCallParser,
+    to_message_tool_calls,
+)
+from environments.tools import Tool, ToolError
+from environments.trajectory import MASKED
+
+
+@dataclass
+class GeneratedTurn:
+    """One assistant turn as a backend produced it."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    """Per sampled token; None when the backend gives none (OpenAI-API mode)."""
+    text: str
+    """The turn's text without the end-of-turn token."""
+    finish_reason: str
+    ended_with_eos: bool
+    parsed: ParsedTurn | None = None
+    """The turn's tool calls, when the backend parsed them itself (OpenAI API)."""
+
+
+class TurnBackend(Protocol):
+    trainable: bool
+
+    async def generate(self, state: RolloutState, max_tokens: int) -> GeneratedTurn: ...
+
+
+@dataclass
+class AssistantTurn:
+    """What one assistant turn did."""
+
+    span: tuple[int, int]
+    """``[start, end)`` of its sampled tokens in the trajectory."""
+    finish_reason: str
+    tool_calls: list[ParsedToolCall]
+    tool_errors: list[str]
+    policy_version: int | None
+    text: str
+    tool_results: list[str] = field(default_factory=list)
+    """The content sent back for each call, in order (errors included)."""
+
+
+@dataclass
+class RolloutState:
+    """A rollout in progress, and its result once ``run_agent_loop`` returns."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tokens: list[int] = field(default_factory=list)
+    masks: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[AssistantTurn] = field(default_factory=list)
+    truncated: bool = False
+    stop: str = ""
+    """Why the episode ended: ``answer``, ``max_turns`` or ``max_tokens``."""
+    prefix_preserving: bool = True
+    trainable: bool = True
+    n_prompt_tokens: int = 0
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(len(t.tool_errors) for t in self.turns)
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(len(t.tool_calls) for t in self.turns)
+
+    @property
+    def final_text(self) -> str:
+        return self.turns[-1].text if self.turns else ""
+
+    def append(self, token_ids: list[int], *, sampled: bool,
+               logprobs: list[float] | None = None) -> None:
+        self.tokens += token_ids
+        if sampled:
+            self.masks += token_ids
+            self.logprobs += logprobs if logprobs is not None else [1.0] * len(token_ids)
+        else:
+            self.masks += [MASKED] * len(token_ids)
+            self.logprobs += [1.0] * len(token_ids)
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+async def run_tool_call(call: ParsedToolCall, tools: dict[str, Tool]) -> tuple[str, str | None]:
+    """Run one call; returns (tool message content, error or None)."""
+    tool = tools.get(call.name)
+    if tool is None:
+        error = f"unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or 'none'}"
+        return f"Error: {error}", error
+    try:
+        return await tool.call(call.arguments), None
+    except ToolError as error:
+        return f"Error: {error}", str(error)
+
+
+async def run_agent_loop(
+    backend: TurnBackend,
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[Tool] = (),
+    parser: ToolCallParser,
+    max_turns: int,
+    max_token_length: int,
+    max_tokens_per_turn: int | None = None,
+    policy_version: int | None = None,
+) -> RolloutState:
+    """Run one episode from ``messages`` and return its trajectory."""
+    by_name = {t.name: t for t in tools}
+    schemas = [t.schema() for t in tools] or None
+    state = RolloutState(messages=[dict(m) for m in messages], tools=schemas,
+                         trainable=backend.trainable)
+    prompt = renderer.prompt_ids(state.messages, schemas)
+    if len(prompt) >= max_token_length:
+        raise PromptTooLongError(f"the prompt has {len(prompt)} tokens; max_token_length is "
+                                 f"{max_token_length}")
+    state.append(prompt, sampled=False)
+    state.n_prompt_tokens = len(prompt)
+
+    for turn_index in range(max_turns):
+        budget = max_token_length - len(state.tokens)
+        max_tokens = min(budget, max_tokens_per_turn or budget)
+        generated = await backend.generate(state, max_tokens)
+        start = len(state.tokens)
+        state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
+
+        parsed = generated.parsed or parser.parse(generated.text)
+        calls, parse_errors = parsed.calls, list(parsed.errors)
+        assistant: dict[str, Any] = {"role": "assistant", "content": generated.text}
+        if calls:
+            assistant["tool_calls"] = [c.model_dump() for c in to_message_tool_calls(calls)]
+        state.messages.append(assistant)
+        turn = AssistantTurn((start, len(state.tokens)), generated.finish_reason, calls,
+                             [f"malformed tool call: {e}" for e in parse_errors],
+                             policy_version, generated.text)
+        state.turns.append(turn)
+
+        if generated.finish_reason == "length" or len(state.tokens) >= max_token_length:
+            state.truncated, state.stop = True, "max_tokens"
+            break
+        if not calls and not parse_errors:
+            state.stop = "answer"
+            break
+        if turn_index == max_turns - 1:
+            state.truncated, state.stop = True, "max_turns"
+            break
+
+        results = await asyncio.gather(*(run_tool_call(c, by_name) for c in calls))
+        new_messages = []
+        for i, (call, (content, error)) in enumerate(zip(calls, results)):
+            new_messages.append({"role": "tool", "tool_call_id": f"call_{i}",
+                                 "name": call.name, "content": content})
+            turn.tool_results.append(content)
+            if error is not None:
+                turn.tool_errors.append(error)
+        for error in parse_errors:
+            new_messages.append({"role": "tool", "content": f"Error: malformed tool call: {error}"})
+
+        continuation = renderer.continuation(state.messages, new_messages, schemas,
+                                             ended_with_eos=generated.ended_with_eos)
+        state.prefix_preserving &= continuation.prefix_preserving
+        if len(state.tokens) + len(continuation.token_ids) >= max_token_length:
+            state.truncated, state.stop = True, "max_tokens"  # no room for another turn
+            break
+        state.messages += new_messages
+        state.append(continuation.token_ids, sampled=False)
+    return state
+
+
+def describe_turns(state: RolloutState) -> list[dict[str, Any]]:
+    """Per-turn records for trajectory metadata (JSON-friendly)."""
+    return [{"span": list(t.span), "finish_reason": t.finish_reason,
+             "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in t.tool_calls],
+             "tool_errors": t.tool_errors, "policy_version": t.policy_version}
+            for t in state.turns]
+

@@ -1,0 +1,480 @@
+"""``BaseEnv``: what a user subclasses to write an environment.
+
+A user overrides a few named hooks::
+
+    setup()                         load data, build tools            (optional)
+    get_next_item()                 the next training item            (required)
+    prompt_messages(item)           the chat that starts an episode   (required by the default rollout)
+    compute_reward(item, rollout)   a float                           (required without the mixin)
+    collect_trajectory(item)        one rollout                       (default: the agent loop)
+    evaluate()                      metrics on eval items             (default: mean reward etc.)
+
+and, for per-turn rewards, mixes in :class:`TurnLevelRewardMixin` and implements
+``compute_turn_rewards(item, rollout) -> list[float]`` (one per assistant turn; the last
+is the outcome). Tools are the class attribute ``tools`` (or ``get_tools(item)``).
+
+Everything else (group collection, scoring, delivery to the rollout API or a JSONL file,
+counters) is done here. A rollout that fails, or a reward list of the wrong length, drops
+its whole group: it is logged with the item id and counted, never replaced by a made-up
+score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import os
+import random
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from environments.agent_loop import RolloutState, describe_turns, run_agent_loop
+from environments.tool_parsers import get_parser
+from environments.tools import Tool
+from environments.trajectory import ScoredGroup, ScoredTrajectory, TrajectoryFlags
+
+log = logging.getLogger(__name__)
+
+
+class EnvConfig(BaseModel):
+    """Settings of an environment. Layering: CLI flags > YAML file > class defaults."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    # episodes
+    group_size: int = Field(default=8, ge=1)
+    """Rollouts per item; they are sampled concurrently and form one group."""
+    max_turns: int = Field(default=4, ge=1)
+    """Assistant turns per episode at most."""
+    max_token_length: int = Field(default=2048, ge=8)
+    """Tokens per trajectory (prompt included) at most; reaching it flags truncation."""
+    max_tokens_per_turn: int | None = Field(default=None, ge=1)
+    # sampling
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    sampling_extra: dict[str, Any] = Field(default_factory=dict)
+    """Extra sampling parameters sent as is (e.g. ``min_tokens``, ``top_k``)."""
+    concurrency: int = Field(default=16, ge=1)
+    """Rollouts in flight at once, across groups."""
+    # rollout API
+    api_url: str = "http://127.0.0.1:8000"
+    api_token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
+    env_weight: float = Field(default=1.0, gt=0)
+    min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
+    spool_path: Path | None = None
+    """Where groups wait while the API is unreachable (default runs/spool/NAME.jsonl)."""
+    # inference
+    inference: Literal["vllm", "openai"] = "vllm"
+    """``vllm``: token-in/token-out, trainable. ``openai``: any chat API, not trainable."""
+    inference_servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:9000"])
+    model: str | None = None
+    """Served model name (vLLM: asked from ``/v1/models`` when unset)."""
+    tokenizer: str | None = None
+    """HF tokenizer (path or name) whose chat template renders prompts; required."""
+    openai_base_url: str | None = None
+    openai_api_key: str | None = Field(default_factory=lambda: os.environ.get("OPENAI_API_KEY"))
+    request_timeout_s: float = Field(default=300.0, gt=0)
+    tool_parser: str = "hermes"
+    # output and run length
+    jsonl_out: Path | None = None
+    """``serve`` also appends every sent group here; ``process`` writes here."""
+    total_groups: int | None = Field(default=None, ge=1)
+    """Stop after this many groups are delivered (None: run until stopped)."""
+    keep_equal_score_groups: bool = False
+    """Groups whose trajectories all score the same carry no GRPO signal: dropped (and
+    counted) unless this is set."""
+    seed: int = 0
+    max_failed_groups_in_a_row: int = Field(default=20, ge=1)
+    """Stop with an error when this many groups in a row fail (a broken setup, e.g. a
+    prompt longer than max_token_length, would otherwise retry forever)."""
+    # evaluation
+    eval_items: int = Field(default=32, ge=1)
+    eval_temperature: float = Field(default=0.0, ge=0)
+    eval_out: Path | None = None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> EnvConfig:
+        """Class defaults < YAML file (top level or under ``env:``) < ``overrides``."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping of settings")
+            values = dict(loaded.get("env", loaded))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)
+
+    def sampling(self, *, evaluation: bool = False) -> dict[str, Any]:
+        temperature = self.eval_temperature if evaluation else self.temperature
+        return {"temperature": temperature, "top_p": self.top_p, **self.sampling_extra}
+
+
+class RewardError(ValueError):
+    """An env's reward hook returned something unusable."""
+
+
+@dataclass
+class EnvStats:
+    groups_sent: int = 0
+    groups_dropped_equal_scores: int = 0
+    groups_kept_equal_scores: int = 0
+    groups_failed: int = 0
+    """Groups dropped because a rollout raised."""
+    reward_errors: int = 0
+    """Groups dropped because a reward hook returned a bad value."""
+    trajectories: int = 0
+    truncated: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    assistant_turns: int = 0
+    sampled_tokens: int = 0
+    not_prefix_preserving: int = 0
+
+
+class TurnLevelRewardMixin:
+    """Per-assistant-turn rewards: implement ``compute_turn_rewards(item, rollout)``.
+
+    It returns one float per assistant turn of ``rollout`` (``len(rollout.turns)``), in
+    order; the last one is the episode's outcome. The trajectory then carries ``scores``
+    as that list and one ``turn_spans`` entry per turn.
+    """
+
+    def compute_turn_rewards(self, item: Any, rollout: RolloutState) -> list[float]:
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_turn_rewards")
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class BaseEnv:
+    """Base class of environments. See the module docstring for the hooks."""
+
+    name: ClassVar[str] = "env"
+    config_class: ClassVar[type[EnvConfig]] = EnvConfig
+    tools: ClassVar[list[Tool]] = []
+
+    def __init__(self, config: EnvConfig | None = None):
+        self.config = config or self.config_class()
+        self.stats = EnvStats()
+        self.rng = random.Random(self.config.seed)
+        self.policy_version: int | None = None
+        self.renderer = None
+        self.backend = None
+        self.eval_backend = None
+        self.parser = get_parser(self.config.tool_parser)
+        self._pool = None
+        self._failed_in_a_row = 0
+        self.last_error: str | None = None
+        self._rollout_slots = asyncio.Semaphore(self.config.concurrency)
+
+    # -- hooks ---------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Load data, build tools. Called once before the first item."""
+
+    async def get_next_item(self) -> Any:
+        """The next training item (any object; a dict with an ``id`` key is handy)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement get_next_item")
+
+    def item_id(self, item: Any) -> str:
+        if isinstance(item, dict) and "id" in item:
+            return str(item["id"])
+        return str(getattr(item, "id", id(item)))
+
+    def prompt_messages(self, item: Any) -> list[dict[str, Any]]:
+        """The messages an episode starts from (used by the default collect_trajectory)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement prompt_messages")
+
+    def get_tools(self, item: Any) -> list[Tool]:
+        return list(self.tools)
+
+    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> RolloutState:
+        """One rollout of ``item``. Default: the multi-turn agent loop with this env's tools."""
+        return await run_agent_loop(
+            self.eval_backend if evaluation else self.backend, self.renderer,
+            self.prompt_messages(item), tools=self.get_tools(item), parser=self.parser,
+            max_turns=self.config.max_turns, max_token_length=self.config.max_token_length,
+            max_tokens_per_turn=self.config.max_tokens_per_turn,
+            policy_version=self.policy_version)
+
+    def compute_reward(self, item: Any, rollout: RolloutState) -> float:
+        """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_reward")
+
+    async def eval_items(self) -> list[Any]:
+        """Items for ``evaluate()``. Default: the next ``eval_items`` training items."""
+        return [await self.get_next_item() for _ in range(self.config.eval_items)]
+
+    async def evaluate(self) -> dict[str, Any]:
+        """One rollout per eval item (eval temperature); returns mean metrics."""
+        items = await self.eval_items()
+        results = await asyncio.gather(*(self._eval_one(item) for item in items),
+                                       return_exceptions=True)
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        for item, r in zip(items, results):
+            if isinstance(r, BaseException):
+                log.error("evaluation of item %s failed: %s: %s", self.item_id(item),
+                          type(r).__name__, r)
+        n = len(ok)
+        outcomes = [t.outcome for _, t in ok]
+        metrics = {
+            "env": self.name, "items": len(items), "failed": len(items) - n,
+            "mean_outcome": sum(outcomes) / n if n else None,
+            "mean_turns": sum(len(s.turns) for s, _ in ok) / n if n else None,
+            "tool_calls_per_episode": sum(s.tool_calls for s, _ in ok) / n if n else None,
+            "tool_error_rate": (sum(s.tool_errors for s, _ in ok)
+                                / max(1, sum(s.tool_calls for s, _ in ok))) if n else None,
+            "truncated_rate": sum(s.truncated for s, _ in ok) / n if n else None,
+        }
+        if self.config.eval_out is not None:
+            from environments.jsonl_store import GroupWriter
+            with GroupWriter(self.config.eval_out) as writer:
+                for item, (_, trajectory) in zip(items, ok):
+                    writer.append(ScoredGroup(env=self.name, item_id=self.item_id(item),
+                                              trajectories=[trajectory],
+                                              metadata={"evaluation": True}))
+        return metrics
+
+    async def _eval_one(self, item: Any) -> tuple[RolloutState, ScoredTrajectory]:
+        async with self._rollout_slots:
+            rollout = await self.collect_trajectory(item, evaluation=True)
+        scores = await self._score(item, rollout)
+        return rollout, self.to_trajectory(item, rollout, scores)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect to inference, then call ``setup()``."""
+        from transformers import AutoTokenizer
+
+        from environments.inference.backends import OpenAIBackend, VLLMBackend
+        from environments.inference.chat_template import ChatRenderer
+        from environments.inference.vllm_client import VLLMServerPool
+
+        config = self.config
+        if config.tokenizer is None and config.model is None:
+            raise ValueError("set `tokenizer` (a HF tokenizer path or name) to render prompts")
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.renderer = ChatRenderer(tokenizer)
+        if config.inference == "vllm":
+            self._pool = VLLMServerPool(config.inference_servers, config.model,
+                                        timeout_s=config.request_timeout_s)
+            await self._pool.start()
+            self.backend = VLLMBackend(self._pool, self.renderer, config.sampling())
+            self.eval_backend = VLLMBackend(self._pool, self.renderer,
+                                            config.sampling(evaluation=True))
+        else:
+            import openai
+
+            if config.model is None:
+                raise ValueError("inference: openai needs `model`")
+            client = openai.AsyncOpenAI(base_url=config.openai_base_url,
+                                        api_key=config.openai_api_key or "none",
+                                        timeout=config.request_timeout_s)
+            sampling = {k: v for k, v in config.sampling().items()
+                        if k in ("temperature", "top_p")}
+            eval_sampling = {k: v for k, v in config.sampling(evaluation=True).items()
+                             if k in ("temperature", "top_p")}
+            self.backend = OpenAIBackend(client, config.model, self.renderer, sampling)
+            self.eval_backend = OpenAIBackend(client, config.model, self.renderer, eval_sampling)
+        await self.setup()
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+
+    # -- scoring -------------------------------------------------------------------------
+    async def _score(self, item: Any, rollout: RolloutState) -> float | list[float]:
+        if isinstance(self, TurnLevelRewardMixin):
+            scores = await _maybe_await(self.compute_turn_rewards(item, rollout))
+            if not isinstance(scores, (list, tuple)) or len(scores) != len(rollout.turns):
+                got = f"{len(scores)} scores" if isinstance(scores, (list, tuple)) else repr(scores)
+                raise RewardError(f"item {self.item_id(item)}: compute_turn_rewards returned "
+                                  f"{got} for {len(rollout.turns)} assistant turns")
+            scores = [float(s) for s in scores]
+        else:
+            scores = float(await _maybe_await(self.compute_reward(item, rollout)))
+        values = scores if isinstance(scores, list) else [scores]
+        if not all(math.isfinite(v) for v in values):
+            raise RewardError(f"item {self.item_id(item)}: non-finite reward {scores}")
+        return scores
+
+    def to_trajectory(self, item: Any, rollout: RolloutState,
+                      scores: float | list[float]) -> ScoredTrajectory:
+        versions = [t.policy_version for t in rollout.turns]
+        known = all(v is not None for v in versions) and versions
+        return ScoredTrajectory(
+            tokens=rollout.tokens, masks=rollout.masks, scores=scores,
+            inference_logprobs=rollout.logprobs if rollout.trainable else None,
+            turn_spans=[list(t.span) for t in rollout.turns],
+            messages=rollout.messages,
+            policy_version=min(versions) if known else None,
+            turn_policy_versions=versions if known else None,
+            flags=TrajectoryFlags(truncated=rollout.truncated, tool_errors=rollout.tool_errors,
+                                  trainable=rollout.trainable),
+            metadata={"item_id": self.item_id(item), "stop": rollout.stop,
+                      "prefix_preserving": rollout.prefix_preserving,
+                      "turns": describe_turns(rollout)})
+
+    async def _rollout(self, item: Any) -> tuple[RolloutState, float | list[float]]:
+        async with self._rollout_slots:
+            rollout = await self.collect_trajectory(item)
+        return rollout, await self._score(item, rollout)
+
+    async def collect_group(self, item: Any) -> ScoredGroup | None:
+        """Sample ``group_size`` rollouts of ``item`` concurrently and score them.
+
+        Returns None (and counts why) when the group must not be sent.
+        """
+        item_id = self.item_id(item)
+        results = await asyncio.gather(*(self._rollout(item)
+                                         for _ in range(self.config.group_size)),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            if any(isinstance(e, RewardError) for e in errors):
+                self.stats.reward_errors += 1
+            else:
+                self.stats.groups_failed += 1
+            self._failed_in_a_row += 1
+            first = errors[0]
+            self.last_error = f"{type(first).__name__}: {first}"
+            log.error("group for item %s dropped: %d of %d rollouts failed; first: %s: %s",
+                      item_id, len(errors), len(results), type(first).__name__, first)
+            if not isinstance(first, Exception):
+                raise first
+            return None
+        self._failed_in_a_row = 0
+        trajectories = [self.to_trajectory(item, rollout, scores) for rollout, scores in results]
+        for rollout, _ in results:
+            s = self.stats
+            s.trajectories += 1
+            s.truncated += rollout.truncated
+            s.tool_calls += rollout.tool_calls
+            s.tool_errors += rollout.tool_errors
+            s.assistant_turns += len(rollout.turns)
+            s.sampled_tokens += sum(e - b for b, e in (t.span for t in rollout.turns))
+            s.not_prefix_preserving += not rollout.prefix_preserving
+        if len(trajectories) > 1 and all(t.scores == trajectories[0].scores
+                                         for t in trajectories):
+            if not self.config.keep_equal_score_groups:
+                self.stats.groups_dropped_equal_scores += 1
+                return None
+            self.stats.groups_kept_equal_scores += 1
+        return ScoredGroup(
+            group_id=uuid.uuid4().hex, env=self.name, item_id=item_id,
+            trajectories=trajectories,
+            generation_params={"max_turns": self.config.max_turns,
+                               "max_token_length": self.config.max_token_length,
+                               **self.config.sampling()})
+
+    # -- running -------------------------------------------------------------------------
+    async def run_groups(self, delivery: Any, n_groups: int | None) -> None:
+        """Collect groups with enough concurrency to keep ``concurrency`` rollouts busy and
+        hand each to ``delivery.send``, until ``n_groups`` were delivered."""
+        workers = max(1, math.ceil(self.config.concurrency / self.config.group_size)) + 1
+        if n_groups is not None:
+            workers = min(workers, n_groups)
+        reserved = delivered = 0
+        done = asyncio.Event()
+
+        async def worker() -> None:
+            nonlocal reserved, delivered
+            while not done.is_set():
+                item = await self.get_next_item()
+                group = await self.collect_group(item)
+                if self._failed_in_a_row >= self.config.max_failed_groups_in_a_row:
+                    raise RuntimeError(f"{self._failed_in_a_row} groups in a row failed; "
+                                       f"last error: {self.last_error}")
+                if group is None:
+                    continue
+                if n_groups is not None and reserved >= n_groups:
+                    return  # enough groups are already being delivered
+                reserved += 1
+                group.env_id = getattr(self, "env_id", None)
+                await delivery.send(group)
+                delivered += 1
+                self.stats.groups_sent += 1
+                if n_groups is not None and delivered >= n_groups:
+                    done.set()
+
+        tasks = [asyncio.create_task(worker()) for _ in range(workers)]
+        finished = asyncio.create_task(done.wait())
+        try:
+            await asyncio.wait([finished, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:  # a worker that raised stops the run with its error
+                if task.done() and task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            finished.cancel()
+
+    def describe_stats(self) -> dict[str, Any]:
+        return asdict(self.stats)
+
+    async def process(self, out: str | Path, n_groups: int) -> dict[str, Any]:
+        """Offline: write ``n_groups`` groups to the JSONL file ``out``."""
+        from environments.delivery import JSONLDelivery
+
+        delivery = JSONLDelivery(out)
+        started = time.monotonic()
+        try:
+            await self.run_groups(delivery, n_groups)
+        finally:
+            await delivery.close()
+        return {**self.describe_stats(), "seconds": round(time.monotonic() - started, 2),
+                "out": str(out)}
+
+    async def serve(self) -> dict[str, Any]:
+        """Push groups to the rollout API until ``total_groups`` (or forever)."""
+        from environments.api.client import RolloutAPIClient
+        from environments.delivery import APIDelivery, JSONLDelivery
+
+        config = self.config
+        spool = config.spool_path or Path("runs/spool") / f"{self.name}.jsonl"
+        async with RolloutAPIClient(config.api_url, config.api_token) as client:
+            registration = await client.register_env(
+                self.name, group_size=config.group_size,
+                max_token_length=config.max_token_length, weight=config.env_weight,
+                min_batch_allocation=config.min_batch_allocation)
+            self.env_id = registration["env_id"]
+            log.info("registered with %s as env %s", config.api_url, self.env_id)
+            api = APIDelivery(client, spool)
+            copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
+            await api.start()
+            poller = asyncio.create_task(self._follow_policy_version(client))
+
+            class Both:
+                async def send(_, group: ScoredGroup) -> None:
+                    await api.send(group)
+                    if copy is not None:
+                        await copy.send(group)
+
+            try:
+                await self.run_groups(Both(), config.total_groups)
+            finally:
+                poller.cancel()
+                await api.close()
+                if copy is not None:
+                    await copy.close()
+            return {**self.describe_stats(), "delivery": asdict(api.stats),
+                    "spooled_left": api.spooling}
+
+    async def _follow_policy_version(self, client: Any, interval_s: float = 2.0) -> None:
+        """Keep ``policy_version`` (recorded per turn) in step with the trainer's."""
+        while True:
+            try:
+                status = await client.status()
+                self.policy_version = status.get("policy_version", self.policy_version)
+            except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
+                log.debug("policy version poll failed: %s", error)
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,160 @@
+"""``arithmetic_tool``: compute an arithmetic expression with a calculator tool, then answer.
+
+The model is asked e.g. "What is 17 * 23 - 4?". A good episode has two assistant turns:
+
+1. a call ``<tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23 - 4"}}
+   </tool_call>``; the tool result comes back;
+2. the answer ``<answer>387</answer>``.
+
+Turn-level rewards, in the spirit of MT-GRPO (one per assistant turn, the last is the
+outcome):
+
+* a turn before the last: 0.5 if it made a tool call that executed without error, plus
+  0.5 if a result of that turn equals the answer (the right expression was computed);
+* the last turn (outcome): 1.0 for exactly ``<answer>N</answer>`` with the right N and
+  nothing else but whitespace, 0.8 for the right N inside other text, 0.1 for a wrong
+  number in the tags, 0.0 otherwise (no tags, or a truncated episode).
+
+Difficulty: ``n_operands`` numbers in ``[0, max_operand]`` joined by ``operators``.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from typing import Any
+
+from pydantic import Field
+
+from environments.agent_loop import RolloutState
+from environments.base import BaseEnv, EnvConfig, TurnLevelRewardMixin
+from environments.tools import tool
+
+SYSTEM_PROMPT = (
+    "You solve arithmetic questions. First call the calculator tool with the expression, "
+    "then reply with only the result as <answer>N</answer>."
+)
+_ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def evaluate_expression(expression: str) -> int:
+    """Integer arithmetic (+ - * // % and parentheses) on non-negative integer literals."""
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = value(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0:
+                raise ValueError("division by zero")
+            if isinstance(node.op, ast.Mult) and abs(left) * abs(right) > 10**18:
+                raise ValueError("result too large")
+            return _OPERATORS[type(node.op)](left, right)
+        raise ValueError(f"unsupported syntax: {ast.unparse(node)!r} (integers and + - * // % only)")
+
+    return value(tree.body)
+
+
+@tool
+def calculator(expression: str) -> str:
+    """Evaluate an integer arithmetic expression.
+
+    Args:
+        expression: integers with + - * // % and parentheses, e.g. "17 * (3 + 4)".
+    """
+    return str(evaluate_expression(expression))
+
+
+class ArithmeticToolConfig(EnvConfig):
+    max_turns: int = Field(default=3, ge=1)
+    max_token_length: int = Field(default=2048, ge=8)
+    n_operands: int = Field(default=2, ge=2, le=8)
+    """Numbers in an expression."""
+    max_operand: int = Field(default=99, ge=1)
+    """Operands are drawn from [0, max_operand]."""
+    operators: list[str] = Field(default_factory=lambda: ["+", "-", "*"])
+
+
+class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
+    name = "arithmetic_tool"
+    config_class = ArithmeticToolConfig
+    tools = [calculator]
+
+    def __init__(self, config: ArithmeticToolConfig | None = None):
+        super().__init__(config)
+        bad = [op for op in self.config.operators if op not in ("+", "-", "*", "//", "%")]
+        if bad:
+            raise ValueError(f"operators: unsupported {bad}; use + - * // %")
+        self._items_made = 0
+
+    def make_item(self, index: int, rng) -> dict[str, Any]:
+        c = self.config
+        terms = [str(rng.randint(0, c.max_operand)) for _ in range(c.n_operands)]
+        expression = terms[0]
+        for term in terms[1:]:
+            op = rng.choice(c.operators)
+            if op in ("//", "%") and term == "0":
+                term = "1"
+            expression += f" {op} {term}"
+        return {"id": f"arith-{c.seed}-{index}", "question": f"What is {expression}?",
+                "expression": expression, "answer": evaluate_expression(expression)}
+
+    async def get_next_item(self) -> dict[str, Any]:
+        item = self.make_item(self._items_made, self.rng)
+        self._items_made += 1
+        return item
+
+    async def eval_items(self) -> list[dict[str, Any]]:
+        import random
+
+        rng = random.Random(f"eval-{self.config.seed}")  # disjoint from training draws
+        items = [self.make_item(i, rng) for i in range(self.config.eval_items)]
+        for item in items:
+            item["id"] = item["id"].replace("arith-", "arith-eval-")
+        return items
+
+    def prompt_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": item["question"]}]
+
+    def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """A correct demonstration (for SFT warm starts), in the format the loop produces."""
+        call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+                + item["expression"] + '"}}\n</tool_call>')
+        return [*self.prompt_messages(item),
+                {"role": "assistant", "content": call},
+                {"role": "tool", "name": "calculator", "tool_call_id": "call_0",
+                 "content": str(item["answer"])},
+                {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}]
+
+    @staticmethod
+    def outcome_score(text: str, answer: int) -> float:
+        match = _ANSWER.search(text)
+        if match is None:
+            return 0.0
+        if int(match.group(1)) != answer:
+            return 0.1
+        return 1.0 if _ANSWER.fullmatch(text.strip()) else 0.8
+
+    def compute_turn_rewards(self, item: dict[str, Any], rollout: RolloutState) -> list[float]:
+        rewards = []
+        for turn in rollout.turns[:-1]:
+            executed = len(turn.tool_calls) > len(turn.tool_errors)
+            found = any(r.strip() == str(item["answer"]) for r in turn.tool_results)
+            rewards.append(0.5 * executed + 0.5 * found)
+        final = rollout.turns[-1]
+        answered = not rollout.truncated or rollout.stop == "answer"
+        rewards.append(self.outcome_score(final.text, item["answer"]) if answered else 0.0)
+        return rewards

@@ -1,0 +1,1 @@
+"""Inference: vLLM server processes and clients, chat rendering, generation backends."""

@@ -1,0 +1,209 @@
+"""Token-in/token-out completions from one or several vLLM servers.
+
+Each request sends the prompt as token ids to ``/v1/completions`` with
+``return_token_ids: true`` and ``logprobs: 0``; the sampled ids and their logprobs are
+kept exactly as vLLM returned them.
+
+Routing: a request goes to the healthy server with the fewest requests in flight (ties
+broken round-robin). A server that fails (connection error, timeout, 5xx) is marked
+unhealthy and the request is retried on another one with exponential backoff; an
+unhealthy server gets requests again once ``GET /health`` answers 200 (checked in the
+background every ``health_interval_s``). A 4xx is the request's own fault and is not
+retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class InferenceError(RuntimeError):
+    """A completion could not be obtained (bad request, or every retry failed)."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """``"stop"`` (eos or stop string), ``"length"`` (max_tokens reached), ..."""
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended the turn, when vLLM says."""
+    server: str
+
+
+@dataclass
+class ServerState:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    last_error: str | None = None
+
+
+@dataclass
+class PoolStats:
+    requests: int = 0
+    retries: int = 0
+    failures: int = 0
+    completion_tokens: int = 0
+    per_server: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class VLLMServerPool:
+    """Least-loaded routing over vLLM OpenAI-compatible servers."""
+
+    def __init__(self, urls: list[str], model: str | None = None, *, api_key: str | None = None,
+                 timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5,
+                 health_interval_s: float = 5.0):
+        if not urls:
+            raise ValueError("at least one inference server URL is needed")
+        self.servers = [ServerState(u.rstrip("/")) for u in urls]
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.health_interval_s = health_interval_s
+        self.stats = PoolStats()
+        self._round_robin = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> VLLMServerPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Check every server once, learn the served model name, start health checks."""
+        await asyncio.gather(*(self._check(s) for s in self.servers))
+        if not any(s.healthy for s in self.servers):
+            raise InferenceError("no inference server is healthy: " + "; ".join(
+                f"{s.url}: {s.last_error}" for s in self.servers))
+        if self.model is None:
+            healthy = next(s for s in self.servers if s.healthy)
+            async with self.session.get(healthy.url + "/v1/models") as response:
+                data = await response.json()
+            self.model = data["data"][0]["id"]
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers,
+                                                  connector=connector)
+        return self._session
+
+    async def _check(self, server: ServerState) -> None:
+        try:
+            async with self.session.get(server.url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=5)) as response:
+                ok = response.status == 200
+                server.last_error = None if ok else f"GET /health -> {response.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            ok, server.last_error = False, f"{type(error).__name__}: {error}"
+        if ok != server.healthy:
+            log.warning("inference server %s is %s", server.url,
+                        "healthy again" if ok else f"unhealthy ({server.last_error})")
+        server.healthy = ok
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await asyncio.gather(*(self._check(s) for s in self.servers if not s.healthy))
+
+    def _pick(self, exclude: set[str]) -> ServerState:
+        candidates = [s for s in self.servers if s.healthy and s.url not in exclude]
+        if not candidates:  # all tried or unhealthy: try anything healthy, then anything
+            candidates = [s for s in self.servers if s.healthy] or self.servers
+        least = min(s.in_flight for s in candidates)
+        tied = [s for s in candidates if s.in_flight == least]
+        return tied[next(self._round_robin) % len(tied)]
+
+    # -- completions -------------------------------------------------------------------
+    async def complete(self, prompt_ids: list[int], *, max_tokens: int,
+                       sampling: dict[str, Any] | None = None) -> Completion:
+        """Sample one continuation of ``prompt_ids``."""
+        payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                   **(sampling or {}), "logprobs": 0, "return_token_ids": True, "n": 1,
+                   "stream": False}
+        tried: set[str] = set()
+        last_error = "no attempt"
+        self.stats.requests += 1
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.stats.retries += 1
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            server = self._pick(tried)
+            tried.add(server.url)
+            server.in_flight += 1
+            server.requests += 1
+            try:
+                async with self.session.post(server.url + "/v1/completions",
+                                             json=payload) as response:
+                    data = await response.json(content_type=None)
+                    if response.status >= 500:
+                        raise _ServerFault(f"{response.status}: {data}")
+                    if response.status >= 400:
+                        message = data.get("error", data) if isinstance(data, dict) else data
+                        raise InferenceError(f"{server.url} refused the request "
+                                             f"({response.status}): {message}")
+                return self._completion(data, server.url)
+            except (_ServerFault, aiohttp.ClientError, asyncio.TimeoutError) as error:
+                last_error = f"{server.url}: {type(error).__name__}: {error}"
+                server.failures += 1
+                server.last_error = last_error
+                server.healthy = False
+                log.warning("completion failed on %s (%s); retrying elsewhere", server.url, error)
+            finally:
+                server.in_flight -= 1
+        self.stats.failures += 1
+        raise InferenceError(f"completion failed after {self.retries + 1} attempts; "
+                             f"last error: {last_error}")
+
+    def _completion(self, data: dict[str, Any], url: str) -> Completion:
+        choice = data["choices"][0]
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            raise InferenceError(f"{url} returned no token_ids: is it vLLM >= 0.10 "
+                                 "(return_token_ids)?")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if logprobs is None or len(logprobs) != len(token_ids):
+            raise InferenceError(f"{url} returned {len(logprobs or [])} logprobs for "
+                                 f"{len(token_ids)} tokens")
+        self.stats.completion_tokens += len(token_ids)
+        return Completion(list(token_ids), [float(x) for x in logprobs],
+                          choice.get("finish_reason") or "stop", choice.get("stop_reason"), url)
+
+    def describe(self) -> dict[str, Any]:
+        return {s.url: {"healthy": s.healthy, "in_flight": s.in_flight,
+                        "requests": s.requests, "failures": s.failures,
+                        "last_error": s.last_error} for s in self.servers}
+
+
+class _ServerFault(Exception):
+    pass

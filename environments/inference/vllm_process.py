@@ -1,0 +1,179 @@
+"""A vLLM OpenAI-compatible server as a managed subprocess (CPU-friendly defaults).
+
+    with VLLMProcess(model_dir, max_model_len=4096) as server:
+        requests.post(server.url + "/v1/completions", json={...})
+
+The server is started as `python -m vllm.entrypoints.openai.api_server` (the `vllm`
+console script has no distribution metadata in the CPU build) in its own process group,
+so `stop()` also ends the engine-core child process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class VLLMProcessError(RuntimeError):
+    """The server exited or did not become healthy in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class VLLMProcess:
+    """Start, health-check and stop one vLLM API server."""
+
+    def __init__(self, model_dir: str | os.PathLike, *, port: int | None = None,
+                 host: str = "127.0.0.1", max_model_len: int = 4096,
+                 served_model_name: str | None = None, dtype: str = "float32",
+                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
+                 kv_cache_space_gib: int | None = 1, dev_mode: bool = False,
+                 extra_args: list[str] | tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
+                 python: str | None = None):
+        self.model_dir = Path(model_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.max_model_len = max_model_len
+        self.model_name = served_model_name or self.model_dir.name
+        self.dtype = dtype
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enforce_eager = enforce_eager
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.dev_mode = dev_mode
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.python = python or sys.executable
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(self.model_dir), "--host", self.host, "--port", str(self.port),
+               "--dtype", self.dtype,
+               "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+               "--max-model-len", str(self.max_model_len),
+               "--served-model-name", self.model_name]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.kv_cache_space_gib is not None:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VLLMProcess:
+        if self.running:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
+            stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-n_chars:].decode("utf-8", "replace")
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout: float = 300.0, poll: float = 0.5) -> VLLMProcess:
+        if self.proc is None:
+            raise VLLMProcessError("VLLMProcess.wait_ready() before start()")
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise VLLMProcessError(
+                    f"vLLM server exited with code {code} before becoming healthy "
+                    f"(log: {self.log_path}):\n{self.log_tail()}")
+            if self.healthy():
+                return self
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise VLLMProcessError(
+                    f"vLLM server at {self.url} not healthy after {timeout:.0f}s "
+                    f"(log: {self.log_path}):\n{tail}")
+            time.sleep(poll)
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace` seconds. Returns the exit code."""
+        proc, self.proc = self.proc, None
+        code = None
+        if proc is not None:
+            if proc.poll() is None:
+                self._signal_group(proc, signal.SIGTERM)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    pass
+            # Children (the engine core) may outlive the API server: kill what is left.
+            self._signal_group(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            code = proc.returncode
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return code
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)  # start_new_session: pgid == pid
+
+    def __enter__(self) -> VLLMProcess:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"VLLMProcess({str(self.model_dir)!r}, url={self.url!r}, running={self.running})"

@@ -1,0 +1,175 @@
+"""A tiny, randomly initialised chat model built locally (no model-hub downloads).
+
+`make_tiny_model(out_dir)` writes a Hugging Face model directory that both
+`transformers` and vLLM (CPU) load:
+
+- a byte-level tokenizer (the 256 byte symbols, no merges) with ChatML special tokens
+  `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos) and the NON-special added
+  tokens `<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>` (so
+  `decode(..., skip_special_tokens=True)` keeps the tool-call tags). Token id == byte
+  value for ids 0..255. Like every `model_type: qwen2` tokenizer under transformers 5.x
+  (AutoTokenizer forces `Qwen2Tokenizer`), encoding NFC-normalizes: decode(encode(t)) ==
+  unicodedata.normalize("NFC", t), i.e. any NFC text round-trips exactly;
+- a prefix-preserving ChatML chat template with Qwen2.5/Hermes-style tool calling;
+- a seeded random `Qwen2ForCausalLM` (float32, tied embeddings, head_dim 64).
+
+Heavy imports (torch, transformers, tokenizers) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+# ChatML with Qwen2.5/Hermes-style tools. Prefix-preserving: every message renders as its
+# own block that depends only on itself (and, for the system block, on `tools` and
+# messages[0]), so rendering messages[:k] is a prefix of rendering messages[:k+n]. Each
+# `tool` message gets its own `user` block (Qwen2.5 merges consecutive tool messages into
+# one block, which breaks the prefix property).
+CHAT_TEMPLATE = (
+    "{%- if tools and messages | length > 0 %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' and messages[0].content %}"
+    "{{- messages[0].content + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}"
+    "{{- '\\n' }}{{- tool | tojson }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- set content = message.content if message.content is not none else '' %}"
+    "{%- if message.role == 'system' and loop.first and tools %}"
+    "{#- already rendered inside the tools system block #}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- if message.tool_calls and '<tool_call>' not in content %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' }}{{- tool_call.name | tojson }}{{- ', \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer():
+    """The byte-level tokenizer, as a `transformers.PreTrainedTokenizerFast`.
+
+    Its pipeline mirrors what `transformers` 5.x rebuilds for any `model_type: qwen2`
+    checkpoint (AutoTokenizer forces `Qwen2Tokenizer`, which replaces the normalizer and
+    pre-tokenizer of tokenizer.json with NFC + Qwen's split regex + ByteLevel), so the
+    saved tokenizer.json, AutoTokenizer and vLLM all tokenize identically. Consequence:
+    encode() NFC-normalizes, so decode(encode(text)) == unicodedata.normalize("NFC", text).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_symbol = _bytes_to_unicode()
+    assert sorted(byte_to_symbol.values()) == sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {byte_to_symbol[b]: b for b in range(256)}  # id == byte value for ids 0..255
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        bos_token=None,
+        unk_token=None,
+        extra_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode symbol map (what ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
+                    num_heads: int = 2, num_kv_heads: int = 1,
+                    max_position_embeddings: int = 4096,
+                    intermediate_size: int | None = None) -> Path:
+    """Write tokenizer + chat template + seeded random Qwen2 model to `out_dir`."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    endoftext = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=im_end,
+        pad_token_id=endoftext,
+    )
+    config.dtype = "float32"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[im_end, endoftext], pad_token_id=endoftext, bos_token_id=None)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    print(make_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "tiny-model"))

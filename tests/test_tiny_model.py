@@ -1,0 +1,256 @@
+"""The tiny local model: tokenizer, chat template, seeded weights; VLLMProcess; vLLM I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+import unicodedata
+import urllib.request
+
+import pytest
+
+import conftest
+from environments.inference.vllm_process import VLLMProcess, VLLMProcessError
+from environments.tiny_model import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    TOOL_TAGS,
+    build_tokenizer,
+    make_tiny_model,
+)
+
+if not hasattr(conftest, "vllm_server"):  # until conftest.py re-exports them
+    from vllm_fixture import tiny_model_dir, vllm_server  # noqa: F401
+
+TEXTS = [
+    "hello world",
+    " leading and trailing spaces  ",
+    "héllo wörld — naïve café, Ελληνικά, русский, 漢字かな, 한국어, עברית, العربية",
+    "emoji 🎉👩‍👩‍👧 and \x00\x01 control \t tabs \r\n crlf \ufeff bom \u200b zwsp",
+    'code: def f(x):\n    return {"a": [1, 2.5e-3]}  # ok\n',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>',
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+]
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression (ü).",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 12*7? Then 3+4."},
+    {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+        {"id": "a", "type": "function",
+         "function": {"name": "calculator", "arguments": {"expression": "12*7"}}},
+        {"id": "b", "type": "function",
+         "function": {"name": "calculator", "arguments": '{"expression": "3+4"}'}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "84"},
+    {"role": "tool", "tool_call_id": "b", "content": "7"},
+    {"role": "assistant", "content": ""},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"name": "calculator", "arguments": {"expression": "84+7"}}]},
+    {"role": "tool", "content": "91"},
+    {"role": "user", "content": "Thanks ✓"},
+    {"role": "assistant", "content": "84 and 7; 91 in total."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_saved_tokenizer_matches_built_and_raw(tokenizer, tiny_model_dir):
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    built = build_tokenizer()
+    assert len(tokenizer) == len(built) == 256 + 7
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == built.encode(text, add_special_tokens=False) == raw.encode(text).ids
+    assert tokenizer.encode("AZ\n") == [65, 90, 10]  # id == byte
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+
+
+def test_round_trip_normalizes_to_nfc(tokenizer):
+    decomposed = "cafe\u0301 e\u0301"
+    assert tokenizer.decode(tokenizer.encode(decomposed)) == unicodedata.normalize(
+        "NFC", decomposed)
+
+
+def test_special_and_tool_tokens(tokenizer, tiny_model_dir):
+    for tag in (ENDOFTEXT, IM_START, IM_END, *TOOL_TAGS):
+        ids = tokenizer.encode(f"a{tag}b", add_special_tokens=False)
+        assert len(ids) == 3 and ids[1] == tokenizer.convert_tokens_to_ids(tag) >= 256
+    assert tokenizer.eos_token == IM_END and tokenizer.pad_token == ENDOFTEXT
+    assert tokenizer.bos_token is None
+    text = f"{IM_START}assistant\n<tool_call>\n{{}}\n</tool_call>{IM_END}{ENDOFTEXT}"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n<tool_call>\n{}\n</tool_call>"
+    generation = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.convert_tokens_to_ids(IM_END),
+                                          tokenizer.convert_tokens_to_ids(ENDOFTEXT)]
+
+
+def render(tokenizer, messages, **kwargs):
+    return tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, **kwargs)
+
+
+def test_template_format(tokenizer):
+    text = render(tokenizer, CONVERSATION[:5])
+    assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in text
+    assert "(ü)" in text  # tojson keeps non-ASCII
+    assert "<|im_start|>user\nWhat is 12*7? Then 3+4.<|im_end|>\n" in text
+    assert ("<|im_start|>assistant\nLet me compute.\n<tool_call>\n"
+            '{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3+4"}}\n'
+            "</tool_call><|im_end|>\n") in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n"
+                         "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n")
+    no_tools = tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=False,
+                                             add_generation_prompt=True)
+    assert no_tools == ("<|im_start|>user\nWhat is 12*7? Then 3+4.<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+
+
+def test_template_keeps_inline_tool_calls_verbatim(tokenizer):
+    content = 'ok<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>'
+    message = {"role": "assistant", "content": content,
+               "tool_calls": [{"name": "calculator", "arguments": {"expression": "1"}}]}
+    text = render(tokenizer, [{"role": "user", "content": "x"}, message])
+    assert text.endswith(f"<|im_start|>assistant\n{content}<|im_end|>\n")
+    assert text.split("<|im_start|>assistant\n")[1].count("<tool_call>") == 1
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None])
+def test_template_is_prefix_preserving(tokenizer, tools):
+    messages = CONVERSATION if tools else [m for m in CONVERSATION if m["role"] != "system"]
+    texts = [tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False)
+             for k in range(1, len(messages) + 1)]
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for k in range(len(texts)):
+        for j in range(k, len(texts)):
+            assert texts[j].startswith(texts[k]), (k, j)
+            assert ids[j][:len(ids[k])] == ids[k], (k, j)
+    # Generation prompt + the assistant's sampled text + "\n" == next rendering.
+    for k, message in enumerate(messages):
+        if message["role"] == "assistant" and not message.get("tool_calls"):
+            prompt = tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False,
+                                                   add_generation_prompt=True)
+            assert texts[k] == prompt + message["content"] + IM_END + "\n"
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_same_seed_same_weights(tmp_path):
+    a = _weights(make_tiny_model(tmp_path / "a", seed=3))
+    b = _weights(make_tiny_model(tmp_path / "b", seed=3))
+    c = _weights(make_tiny_model(tmp_path / "c", seed=4))
+    assert a.keys() == b.keys()
+    assert all((a[k] == b[k]).all() for k in a)
+    assert any(not (a[k] == c[k]).all() for k in a if a[k].std() > 0)
+    assert a["model.embed_tokens.weight"].shape == (263, 128)
+    assert "lm_head.weight" not in a  # tied
+
+
+def test_transformers_loads_model(tiny_model_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
+    assert model.config.hidden_size // model.config.num_attention_heads == 64 and model.config.num_key_value_heads == 1
+    ids = torch.tensor([tokenizer.encode("hi")])
+    assert model(ids).logits.shape == (1, 2, len(tokenizer))
+
+
+def _fake_python(tmp_path, body: str) -> str:
+    script = tmp_path / "fake-python"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_vllm_process_reports_early_exit(tmp_path):
+    proc = VLLMProcess(tmp_path, python=_fake_python(tmp_path, "echo boom: $@; exit 3"),
+                       log_path=tmp_path / "log")
+    assert proc.command()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enforce-eager" in proc.command() and proc.url.startswith("http://127.0.0.1:")
+    with pytest.raises(VLLMProcessError, match="exited with code 3") as error:
+        proc.start().wait_ready(timeout=10)
+    assert "boom: -m vllm.entrypoints.openai.api_server --model" in str(error.value)
+    proc.stop()
+
+
+def test_vllm_process_timeout_kills_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    proc = VLLMProcess(tmp_path, python=_fake_python(
+        tmp_path, f"sleep 120 & echo $! > {pid_file}; echo waiting; wait"),
+        log_path=tmp_path / "log")
+    proc.start()
+    with pytest.raises(VLLMProcessError, match="not healthy after"):
+        proc.wait_ready(timeout=1)
+    assert not proc.running
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the server's child process survived stop()"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def _post(url, body, timeout=300):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def test_vllm_token_in_token_out(vllm_server, tokenizer):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi ✓"}],
+                                           add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    out = _post(vllm_server.url + "/v1/completions", {
+        "model": vllm_server.model_name, "prompt": prompt, "max_tokens": 24, "n": 2,
+        "temperature": 1.0, "logprobs": 0, "return_token_ids": True})
+    assert len(out["choices"]) == 2
+    for choice in out["choices"]:
+        assert choice["prompt_token_ids"] == prompt
+        ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        assert 1 <= len(ids) == len(logprobs) <= 24
+        assert all(isinstance(t, int) and 0 <= t < len(tokenizer) for t in ids)
+        assert all(lp <= 0.0 for lp in logprobs)
+        assert choice["finish_reason"] == ("length" if len(ids) == 24 else "stop")
+    # Stopping on <|im_end|>: the eos id is the last token id and has a logprob.
+    out = _post(vllm_server.url + "/v1/completions", {
+        "model": vllm_server.model_name, "prompt": prompt, "max_tokens": 24, "min_tokens": 3,
+        "temperature": 1.0, "logprobs": 0, "return_token_ids": True,
+        "logit_bias": {str(im_end): 100}})
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == im_end
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 4

@@ -1,0 +1,47 @@
+"""Session fixtures: the tiny local model, and one real vLLM (CPU) server serving it.
+
+Re-export from tests/conftest.py with
+
+    from vllm_fixture import tiny_model_dir, vllm_server  # noqa: F401
+
+(tests/ is not a package; pytest puts tests/ on sys.path, which is how the tests already
+`from conftest import ...`.) `vllm_server` yields the running `VLLMProcess`: `.url`,
+`.model_dir`, `.model_name`, `.log_path`. It starts once per session (~50 s on 2 cores,
+plus ~20 s for the first request) and is skipped when vllm is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+TINY_MODEL_NAME = "tiny"
+VLLM_MAX_MODEL_LEN = 4096
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from environments.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    from environments.inference.vllm_process import VLLMProcess
+
+    log_dir = tmp_path_factory.mktemp("vllm")
+    server = VLLMProcess(tiny_model_dir, served_model_name=TINY_MODEL_NAME,
+                         max_model_len=VLLM_MAX_MODEL_LEN, dev_mode=True,
+                         extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                         log_path=log_dir / "server.log")
+    server.start()
+    try:
+        server.wait_ready(timeout=float(os.environ.get("LACHESIS_VLLM_START_TIMEOUT", "300")))
+        yield server
+    finally:
+        server.stop()
