@@ -1,0 +1,78 @@
+"""The arithmetic_tool env's calculator, items and turn-level rewards (hand-computed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from environments.agent_loop import AssistantTurn, RolloutState
+from environments.envs.arithmetic_tool import (
+    ArithmeticToolConfig,
+    ArithmeticToolEnv,
+    calculator,
+    evaluate_expression,
+)
+from environments.tool_parsers import ParsedToolCall, get_parser
+from environments.tools import ToolError
+
+
+def test_calculator_computes_integers_and_refuses_anything_else():
+    assert evaluate_expression("17 * (3 + 4) - 5 // 2 % 3") == 17 * 7 - 5 // 2 % 3
+    assert asyncio.run(calculator.call({"expression": "-3 * 4"})) == "-12"
+    for bad in ["__import__('os')", "2 ** 10", "1 / 0", "1 // 0", "x + 1", "1.5 + 2"]:
+        with pytest.raises(ToolError):
+            asyncio.run(calculator.call({"expression": bad}))
+
+
+def test_items_follow_the_configured_difficulty_and_eval_items_differ():
+    env = ArithmeticToolEnv(ArithmeticToolConfig(n_operands=4, max_operand=9,
+                                                 operators=["*"], eval_items=5))
+    items = [asyncio.run(env.get_next_item()) for _ in range(20)]
+    for item in items:
+        numbers = [int(t) for t in item["expression"].split(" * ")]
+        assert len(numbers) == 4 and all(0 <= n <= 9 for n in numbers)
+        assert item["answer"] == evaluate_expression(item["expression"])
+    assert len({i["id"] for i in items}) == 20
+    eval_ids = {i["id"] for i in asyncio.run(env.eval_items())}
+    assert len(eval_ids) == 5 and not eval_ids & {i["id"] for i in items}
+    with pytest.raises(ValueError, match="operators"):
+        ArithmeticToolEnv(ArithmeticToolConfig(operators=["**"]))
+
+
+def turn(text, calls=(), errors=(), results=()):
+    return AssistantTurn((0, 1), "stop", list(calls), list(errors), None, text, list(results))
+
+
+ITEM = {"id": "x", "question": "What is 6 * 7?", "expression": "6 * 7", "answer": 42}
+CALL = ParsedToolCall("calculator", {"expression": "6 * 7"}, "")
+
+
+@pytest.mark.parametrize("turns, stop, expected", [
+    # call that found the answer, then the exact answer
+    ([turn("", [CALL], results=["42"]), turn("<answer>42</answer>")], "answer", [1.0, 1.0]),
+    # call executed but computed something else; right answer inside other text
+    ([turn("", [CALL], results=["41"]), turn("so <answer>42</answer>")], "answer", [0.5, 0.8]),
+    # failing call, then a wrong number in the tags
+    ([turn("", [CALL], ["boom"], ["Error: boom"]), turn("<answer>7</answer>")], "answer", [0.0, 0.1]),
+    # no tool use at all: one turn, the outcome
+    ([turn("<answer>42</answer>")], "answer", [1.0]),
+    # ran out of turns while still calling tools: the outcome is 0
+    ([turn("", [CALL], results=["42"]), turn("", [CALL], results=["42"])], "max_turns", [1.0, 0.0]),
+])
+def test_turn_rewards(turns, stop, expected):
+    env = ArithmeticToolEnv()
+    rollout = RolloutState(messages=[], tools=None, turns=turns, stop=stop,
+                           truncated=stop != "answer")
+    assert env.compute_turn_rewards(ITEM, rollout) == expected
+
+
+def test_oracle_demonstration_parses_and_earns_full_reward():
+    env = ArithmeticToolEnv()
+    messages = env.oracle_messages(ITEM)
+    parsed = get_parser("hermes").parse(messages[2]["content"])
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "6 * 7"})]
+    rollout = RolloutState(messages=messages, tools=None, stop="answer", turns=[
+        turn(messages[2]["content"], parsed.calls, results=[messages[3]["content"]]),
+        turn(messages[4]["content"])])
+    assert env.compute_turn_rewards(ITEM, rollout) == [1.0, 1.0]
