@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from environments.inference.chat_template import ChatRenderer
 from environments.tool_parsers import (
@@ -132,9 +132,13 @@ async def run_agent_loop(
     max_turns: int,
     max_token_length: int,
     max_tokens_per_turn: int | None = None,
-    policy_version: int | None = None,
+    policy_version: Callable[[], int | None] | int | None = None,
 ) -> RolloutState:
-    """Run one episode from ``messages`` and return its trajectory."""
+    """Run one episode from ``messages`` and return its trajectory.
+
+    ``policy_version``: the weight version serving the requests, or a function returning
+    it (read again at every turn, so a weight update mid-episode shows per turn).
+    """
     by_name = {t.name: t for t in tools}
     schemas = [t.schema() for t in tools] or None
     state = RolloutState(messages=[dict(m) for m in messages], tools=schemas,
@@ -149,6 +153,7 @@ async def run_agent_loop(
     for turn_index in range(max_turns):
         budget = max_token_length - len(state.tokens)
         max_tokens = min(budget, max_tokens_per_turn or budget)
+        version = policy_version() if callable(policy_version) else policy_version
         generated = await backend.generate(state, max_tokens)
         start = len(state.tokens)
         state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
@@ -161,7 +166,7 @@ async def run_agent_loop(
         state.messages.append(assistant)
         turn = AssistantTurn((start, len(state.tokens)), generated.finish_reason, calls,
                              [f"malformed tool call: {e}" for e in parse_errors],
-                             policy_version, generated.text)
+                             version, generated.text)
         state.turns.append(turn)
 
         if generated.finish_reason == "length" or len(state.tokens) >= max_token_length:

@@ -203,7 +203,7 @@ class BaseEnv:
             self.prompt_messages(item), tools=self.get_tools(item), parser=self.parser,
             max_turns=self.config.max_turns, max_token_length=self.config.max_token_length,
             max_tokens_per_turn=self.config.max_tokens_per_turn,
-            policy_version=self.policy_version)
+            policy_version=lambda: self.policy_version)
 
     def compute_reward(self, item: Any, rollout: RolloutState) -> float:
         """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin."""
@@ -437,30 +437,22 @@ class BaseEnv:
     async def serve(self) -> dict[str, Any]:
         """Push groups to the rollout API until ``total_groups`` (or forever)."""
         from environments.api.client import RolloutAPIClient
-        from environments.delivery import APIDelivery, JSONLDelivery
+        from environments.delivery import APIDelivery, JSONLDelivery, Mirrored
 
         config = self.config
         spool = config.spool_path or Path("runs/spool") / f"{self.name}.jsonl"
         async with RolloutAPIClient(config.api_url, config.api_token) as client:
-            registration = await client.register_env(
-                self.name, group_size=config.group_size,
-                max_token_length=config.max_token_length, weight=config.env_weight,
-                min_batch_allocation=config.min_batch_allocation)
+            registration = await self._register(client)
             self.env_id = registration["env_id"]
             log.info("registered with %s as env %s", config.api_url, self.env_id)
             api = APIDelivery(client, spool)
             copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
             await api.start()
+            await self._poll_policy_version(client)
             poller = asyncio.create_task(self._follow_policy_version(client))
 
-            class Both:
-                async def send(_, group: ScoredGroup) -> None:
-                    await api.send(group)
-                    if copy is not None:
-                        await copy.send(group)
-
             try:
-                await self.run_groups(Both(), config.total_groups)
+                await self.run_groups(Mirrored(api, copy), config.total_groups)
             finally:
                 poller.cancel()
                 await api.close()
@@ -469,12 +461,33 @@ class BaseEnv:
             return {**self.describe_stats(), "delivery": asdict(api.stats),
                     "spooled_left": api.spooling}
 
+    async def _register(self, client: Any) -> dict[str, Any]:
+        """Register with the rollout API, waiting for it to come up if it is not yet."""
+        from environments.api.client import APIRequestError
+
+        config = self.config
+        while True:
+            try:
+                return await client.register_env(
+                    self.name, group_size=config.group_size,
+                    max_token_length=config.max_token_length, weight=config.env_weight,
+                    min_batch_allocation=config.min_batch_allocation)
+            except APIRequestError as error:
+                if error.status is not None:
+                    raise
+                log.warning("rollout API at %s not reachable yet (%s); retrying",
+                            config.api_url, error)
+                await asyncio.sleep(5)
+
+    async def _poll_policy_version(self, client: Any) -> None:
+        status = await client.status()
+        self.policy_version = status.get("policy_version", self.policy_version)
+
     async def _follow_policy_version(self, client: Any, interval_s: float = 2.0) -> None:
         """Keep ``policy_version`` (recorded per turn) in step with the trainer's."""
         while True:
+            await asyncio.sleep(interval_s)
             try:
-                status = await client.status()
-                self.policy_version = status.get("policy_version", self.policy_version)
+                await self._poll_policy_version(client)
             except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
                 log.debug("policy version poll failed: %s", error)
-            await asyncio.sleep(interval_s)

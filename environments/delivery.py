@@ -142,3 +142,15 @@ class APIDelivery:
         if self.spooling:
             log.warning("stopping with groups still in %s; they are replayed next start",
                         self.spool_path)
+
+
+class Mirrored:
+    """Send to ``primary``, then also to ``mirror`` when there is one (a JSONL copy)."""
+
+    def __init__(self, primary, mirror=None):
+        self.primary, self.mirror = primary, mirror
+
+    async def send(self, group: ScoredGroup) -> None:
+        await self.primary.send(group)
+        if self.mirror is not None:
+            await self.mirror.send(group)

@@ -195,6 +195,8 @@ def test_wrong_number_of_turn_rewards_drops_the_group_and_counts_it(vllm_server,
 def test_serve_pushes_groups_that_the_trainer_leases(vllm_server, tmp_path):
     async def scenario():
         async with running_api() as (url, _api):
+            async with RolloutAPIClient(url) as client:
+                await client.set_policy_version(3)  # the trainer's current weights
             env = arithmetic_env(vllm_server, group_size=2, total_groups=2, api_url=url,
                                  keep_equal_score_groups=True,
                                  spool_path=tmp_path / "spool.jsonl")
@@ -215,6 +217,7 @@ def test_serve_pushes_groups_that_the_trainer_leases(vllm_server, tmp_path):
         assert group.env == "arithmetic_tool" and group.item_id.startswith("arith-")
         for t in group.trajectories:
             assert isinstance(t.scores, list) and len(t.scores) == len(t.turn_spans)
+            assert t.policy_version == 3 and t.turn_policy_versions == [3] * len(t.turn_spans)
 
 
 def test_serve_spools_while_the_api_is_down_and_replays_when_it_is_back(vllm_server, tmp_path):
