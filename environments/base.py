@@ -230,8 +230,7 @@ class BaseEnv:
             "mean_outcome": sum(outcomes) / n if n else None,
             "mean_turns": sum(len(s.turns) for s, _ in ok) / n if n else None,
             "tool_calls_per_episode": sum(s.tool_calls for s, _ in ok) / n if n else None,
-            "tool_error_rate": (sum(s.tool_errors for s, _ in ok)
-                                / max(1, sum(s.tool_calls for s, _ in ok))) if n else None,
+            "tool_errors_per_episode": sum(s.tool_errors for s, _ in ok) / n if n else None,
             "truncated_rate": sum(s.truncated for s, _ in ok) / n if n else None,
         }
         if self.config.eval_out is not None:
