@@ -146,6 +146,44 @@ def _run_env(argv: list[str]) -> int:
     return 0
 
 
+def _run_train(argv: list[str]) -> int:
+    import asyncio
+    import json
+    import logging
+
+    from trainer.config import TrainConfig
+
+    parser = argparse.ArgumentParser(
+        prog="lachesis train",
+        description="Train the policy from the rollout API (or --data JSONL). Every setting "
+                    "is also a flag: flags > --config YAML > defaults.")
+    parser.add_argument("--config", type=Path, help="YAML file (top level or under 'train:')")
+    parser.add_argument("--check", action="store_true",
+                        help="only run the alignment check on the first batch, then exit")
+    parser.add_argument("--log-level", default="INFO")
+    names = _config_flags(parser, TrainConfig)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        overrides = {n: _parse_flag(getattr(args, n), TrainConfig.model_fields[n].annotation)
+                     for n in names if getattr(args, n) is not None}
+        config = TrainConfig.load(args.config, **overrides)
+    except (ValidationError, ValueError, OSError) as error:
+        print(f"lachesis train: bad configuration: {error}", file=sys.stderr)
+        return 2
+    from trainer.train import train
+
+    try:
+        summary = asyncio.run(train(config, check_only=args.check))
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, ValueError, OSError) as error:
+        print(f"lachesis train: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
 def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "make-tiny-model", help="build a tiny random Qwen2 model + byte tokenizer (no downloads)")
@@ -166,11 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["env"]:  # its flags depend on the env's config class
         return _run_env(argv[1:])
+    if argv[:1] == ["train"]:
+        return _run_train(argv[1:])
     parser = argparse.ArgumentParser(prog="lachesis", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_api(subparsers)
     _add_env(subparsers)
     _add_make_tiny_model(subparsers)
+    subparsers.add_parser("train", help="train the policy (lachesis train --help)", add_help=False)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -11,7 +11,9 @@
   (AutoTokenizer forces `Qwen2Tokenizer`), encoding NFC-normalizes: decode(encode(t)) ==
   unicodedata.normalize("NFC", t), i.e. any NFC text round-trips exactly;
 - a prefix-preserving ChatML chat template with Qwen2.5/Hermes-style tool calling;
-- a seeded random `Qwen2ForCausalLM` (float32, tied embeddings, head_dim 64).
+- a seeded random `Qwen2ForCausalLM` (float32, untied embeddings, head_dim 64). Untied
+  because vLLM 0.32's in-place `reload_weights` leaves `lm_head` stale when the output
+  embedding is tied to the input one (measured: logprobs off by O(10) after a sync).
 
 Heavy imports (torch, transformers, tokenizers) happen inside the functions.
 """
@@ -152,7 +154,7 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,  # see the module docstring: in-place weight sync
         use_sliding_window=False,
         bos_token_id=None,
         eos_token_id=im_end,

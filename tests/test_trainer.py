@@ -1,0 +1,157 @@
+"""The trainer on the tiny model: alignment with vLLM, real steps, in-place weight sync,
+offline JSONL training, resume, bad batches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from environments import BaseEnv, EnvConfig
+from environments.jsonl_store import GroupWriter, read_groups
+from trainer.batch import BatchError, check_groups
+from trainer.config import TrainConfig
+from trainer.train import train
+from trainer.vllm_sync import VLLMWeightSync
+
+
+class LetterEEnv(BaseEnv):
+    """One turn, no tools; reward = share of 'e' in the answer (varies between samples)."""
+
+    name = "letter_e"
+
+    async def get_next_item(self):
+        return {"id": "e", "question": "Write many e letters."}
+
+    def prompt_messages(self, item):
+        return [{"role": "user", "content": item["question"]}]
+
+    def compute_reward(self, item, rollout):
+        text = rollout.final_text
+        return text.count("e") / max(1, len(text)) + 0.01 * len(text)
+
+
+@pytest.fixture(scope="module")
+def rollouts(vllm_server, tmp_path_factory):
+    """4 groups x 4 trajectories sampled by the real vLLM server, as JSONL."""
+    out = tmp_path_factory.mktemp("rollouts") / "groups.jsonl"
+    config = EnvConfig(tokenizer=str(vllm_server.model_dir), inference_servers=[vllm_server.url],
+                       group_size=4, max_turns=1, max_tokens_per_turn=24, max_token_length=256)
+
+    async def collect():
+        env = LetterEEnv(config)
+        await env.start()
+        try:
+            await env.process(out, 4)
+        finally:
+            await env.close()
+
+    asyncio.run(collect())
+    return out
+
+
+def vllm_logprobs(server, tokens: list[int]) -> torch.Tensor:
+    response = requests.post(server.url + "/v1/completions", json={
+        "model": server.model_name, "prompt": tokens, "max_tokens": 1, "echo": True,
+        "logprobs": 0, "temperature": 0}, timeout=60).json()
+    return torch.tensor(response["choices"][0]["logprobs"]["token_logprobs"][1:len(tokens)])
+
+
+def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+def config(tmp_path, vllm_server, data, **settings) -> TrainConfig:
+    settings = {"batch_size": 8, "micro_batch_size": 4, "steps": 2, "lr": 3e-3,
+                "tensorboard": False, **settings}
+    return TrainConfig(model=str(vllm_server.model_dir), data=data, run_dir=tmp_path / "run",
+                       **settings)
+
+
+def test_train_step_aligns_with_vllm_changes_weights_and_syncs_into_vllm(vllm_server, rollouts, tmp_path):
+    probe = next(iter(read_groups(rollouts))).trajectories[0].tokens
+    before = vllm_logprobs(vllm_server, probe)
+    cfg = config(tmp_path, vllm_server, rollouts, vllm_urls=[vllm_server.url], sync_every=1)
+    try:
+        summary = asyncio.run(train(cfg))
+        # step 0: the trainer's logprobs of vLLM's sampled tokens are vLLM's
+        assert summary["alignment_mean_abs_diff"] < 1e-3
+        assert summary["last_step"] == 2 and summary["last_trained_tokens"] > 0
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run/checkpoints/step_000002")
+        initial = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
+        changed = [n for (n, a), (_, b) in zip(trained.named_parameters(),
+                                                initial.named_parameters()) if not torch.equal(a, b)]
+        assert "lm_head.weight" in changed and len(changed) > 10
+        # after the sync, vLLM serves the trained weights
+        after = vllm_logprobs(vllm_server, probe)
+        assert (after - before).abs().mean() > 1e-3
+        assert (after - hf_logprobs(trained, probe)).abs().mean() < 1e-3
+        lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2]
+        assert all("sync_seconds" in json.loads(line) for line in lines)
+    finally:  # give the session's server its original weights back
+        asyncio.run(VLLMWeightSync([vllm_server.url], tmp_path).reload(vllm_server.model_dir))
+    assert (vllm_logprobs(vllm_server, probe) - before).abs().max() < 1e-4
+
+
+def test_resume_equals_uninterrupted_training(vllm_server, rollouts, tmp_path):
+    straight = config(tmp_path / "a", vllm_server, rollouts, steps=3, checkpoint_every=1)
+    asyncio.run(train(straight))
+    first = config(tmp_path / "b", vllm_server, rollouts, steps=1, checkpoint_every=1)
+    asyncio.run(train(first))
+    summary = asyncio.run(train(first.model_copy(update={"steps": 3})))
+    assert summary["start_step"] == 1
+    a = load_file(tmp_path / "a/run/checkpoints/step_000003/model.safetensors")
+    b = load_file(tmp_path / "b/run/checkpoints/step_000003/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_batches_are_refused_with_the_place_named(rollouts, tmp_path):
+    groups = list(read_groups(rollouts))
+    group = groups[1]
+    group.trajectories[2].tokens[5] = 10_000
+    group.trajectories[2].masks[5] = -100
+    with pytest.raises(BatchError, match=r"group 1 .* sequence 2: tokens\[5\] = 10000 is outside"):
+        check_groups(groups, vocab_size=263)
+    groups = list(read_groups(rollouts))
+    groups[0].trajectories[1].flags.trainable = False
+    with pytest.raises(BatchError, match="sequence 1: marked not trainable"):
+        check_groups(groups)
+    groups = list(read_groups(rollouts))
+    t = groups[0].trajectories[0]
+    t.masks = [t.tokens[0]] + t.masks[1:]
+    with pytest.raises(BatchError, match="first token is marked trained"):
+        check_groups(groups)
+    # NaN never gets in: the JSONL reader refuses the line and names it
+    bad = tmp_path / "bad.jsonl"
+    lines = rollouts.read_text().splitlines()
+    bad.write_text(lines[0].replace('"inference_logprobs":[1.0', '"inference_logprobs":[NaN', 1) + "\n")
+    with pytest.raises(ValueError, match="line 1"):
+        list(read_groups(bad))
+
+
+def test_masked_tokens_get_no_gradient(vllm_server, rollouts):
+    from trainer.batch import pack
+    from trainer.losses import policy_loss, token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
+    group = next(iter(read_groups(rollouts)))
+    batch = pack(group.trajectories, [[1.0] * len(t.tokens) for t in group.trajectories])
+    embeddings = model.get_input_embeddings()(batch.tokens).detach().requires_grad_(True)
+    logits = model(inputs_embeds=embeddings).logits
+    logits.retain_grad()
+    logprobs = token_logprobs(logits, batch.tokens)
+    loss, _ = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.mask)
+    loss.backward()
+    # logits at t-1 predict token t: only positions before a trained token get a gradient
+    predicts_trained = torch.zeros_like(batch.mask)
+    predicts_trained[:, :-1] = batch.mask[:, 1:]
+    grad = logits.grad.abs().sum(-1)
+    assert (grad[~predicts_trained] == 0).all() and (grad[predicts_trained] > 0).all()

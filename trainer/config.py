@@ -1,0 +1,82 @@
+"""Settings of ``lachesis train``: CLI flags > YAML file (``--config``, top level or under
+``train:``) > these defaults."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: str
+    """HF model directory or name of the policy to train."""
+    tokenizer: str | None = None
+    """Defaults to ``model``."""
+    mode: Literal["rl", "sft"] = "rl"
+    # data
+    api_url: str | None = "http://127.0.0.1:8000"
+    """Rollout API to lease batches from (ignored when ``data`` is set)."""
+    api_token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
+    data: Path | None = None
+    """Train offline from this JSONL (groups for ``rl``; groups or messages for ``sft``)."""
+    batch_size: int = Field(default=64, ge=1)
+    """Sequences per optimizer step."""
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Sequences per forward/backward; gradients accumulate over the batch."""
+    max_token_length: int = Field(default=2048, ge=8)
+    steps: int = Field(default=100, ge=1)
+    lease_poll_s: float = Field(default=0.5, gt=0)
+    # advantages
+    estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg"] = "mt_grpo"
+    turn_advantage_coef: float = 1.0
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    zero_variance: Literal["zero", "drop"] = "zero"
+    # loss
+    clip_low: float = Field(default=0.2, ge=0)
+    clip_high: float = Field(default=0.2, ge=0)
+    tis_cap: float | None = Field(default=2.0, gt=0)
+    """Truncated importance sampling cap for the trainer/vLLM mismatch (None: off)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """KL to the frozen initial model (k3 estimator); 0 loads no reference model."""
+    aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    # optimizer
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+    # vLLM weight sync
+    vllm_urls: list[str] = Field(default_factory=list)
+    """Running vLLM servers (started with VLLM_SERVER_DEV_MODE=1) to sync weights into."""
+    sync_every: int = Field(default=1, ge=1)
+    """Sync weights into vLLM (and post the new policy version) every N steps."""
+    # alignment check
+    check_alignment: bool = True
+    """At step 0, compare the trainer's logprobs of the first batch with vLLM's."""
+    alignment_tolerance: float = Field(default=1e-3, gt=0)
+    # run
+    run_dir: Path = Path("runs/train")
+    """Metrics (metrics.jsonl, TensorBoard), checkpoints and synced weights go here."""
+    checkpoint_every: int = Field(default=50, ge=1)
+    resume: bool = True
+    """Resume from the latest checkpoint in run_dir when there is one."""
+    tensorboard: bool = True
+    wandb: bool = False
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> TrainConfig:
+        values: dict[str, Any] = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping of settings")
+            values = dict(loaded.get("train", loaded))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)

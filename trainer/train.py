@@ -1,0 +1,345 @@
+"""``lachesis train``: the RL (and SFT) training loop, top to bottom.
+
+One step:
+
+1. get a batch: lease ``batch_size`` sequences from the rollout API (acknowledged after
+   the step, so a crash mid-step gets them redelivered), or read whole groups from a
+   JSONL file (``--data``);
+2. check it (lengths, finite numbers, masks, trainable), compute per-token advantages per
+   group with the configured estimator (env-provided ``advantages`` win);
+3. at step 0, the alignment check: the trainer's logprobs of the sampled tokens must equal
+   vLLM's recorded ones (mean absolute difference below ``alignment_tolerance``);
+4. forward/backward over micro-batches (gradients accumulate so the loss is the batch's
+   token mean or sequence mean), clip, AdamW step;
+5. every ``sync_every`` steps, load the new weights into the vLLM servers in place and
+   post the new policy version to the rollout API;
+6. log metrics (JSONL, TensorBoard), checkpoint every ``checkpoint_every`` steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from environments.jsonl_store import read_groups
+from environments.trajectory import ScoredGroup
+from trainer.advantages import compute_group_advantages
+from trainer.batch import BatchError, TrainBatch, check_groups, pack
+from trainer.config import TrainConfig
+from trainer.losses import policy_loss, sft_loss, token_logprobs
+
+log = logging.getLogger("lachesis.train")
+
+
+class AlignmentError(RuntimeError):
+    """The trainer's logprobs of the sampled tokens disagree with vLLM's."""
+
+
+# --------------------------------------------------------------------------------------
+# batches
+# --------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    groups: list[ScoredGroup]
+    lease_id: str | None = None
+
+
+class JSONLBatches:
+    """Whole groups from a JSONL file, ``batch_size`` sequences per batch, cycling."""
+
+    def __init__(self, path: Path, batch_size: int):
+        self.groups = list(read_groups(path))
+        if not self.groups:
+            raise BatchError(f"{path}: no groups")
+        too_big = [g.group_id for g in self.groups if len(g.trajectories) > batch_size]
+        if too_big:
+            raise BatchError(f"{path}: group {too_big[0]} has more sequences than batch_size "
+                             f"({batch_size})")
+        self.batch_size = batch_size
+        self.position = 0
+
+    def next(self) -> Batch:
+        groups, n = [], 0
+        while True:
+            group = self.groups[self.position % len(self.groups)]
+            if n + len(group.trajectories) > self.batch_size:
+                break
+            groups.append(group)
+            n += len(group.trajectories)
+            self.position += 1
+        return Batch(groups)
+
+
+class APIBatches:
+    """Leased batches from the rollout API."""
+
+    def __init__(self, config: TrainConfig):
+        from environments.api.client import RolloutAPIClient
+
+        self.client = RolloutAPIClient(config.api_url, config.api_token)
+        self.config = config
+
+    async def register(self) -> None:
+        await self.client.register_trainer(batch_size=self.config.batch_size,
+                                           max_token_len=self.config.max_token_length)
+
+    async def next(self) -> Batch:
+        while True:
+            leased = await self.client.lease(self.config.batch_size)
+            if leased is not None:
+                return Batch(leased.groups, leased.lease_id)
+            await asyncio.sleep(self.config.lease_poll_s)
+
+
+# --------------------------------------------------------------------------------------
+# building blocks
+# --------------------------------------------------------------------------------------
+def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
+                  pad_id: int) -> tuple[TrainBatch | None, dict[str, float]]:
+    """Check the batch and turn it into padded tensors with per-token advantages."""
+    check_groups(batch.groups, vocab_size=vocab_size, need_logprobs=True)
+    trajectories, advantages = [], []
+    dropped = zero_variance = 0
+    rewards = []
+    for group in batch.groups:
+        result = compute_group_advantages(
+            group.trajectories, config.estimator, turn_advantage_coef=config.turn_advantage_coef,
+            gamma=config.gamma, zero_variance=config.zero_variance)
+        rewards += [t.outcome for t in group.trajectories]
+        if result is None:
+            dropped += 1
+            continue
+        zero_variance += result.zero_variance
+        trajectories += group.trajectories
+        advantages += result.advantages
+    stats = {"reward_mean": float(np.mean(rewards)), "groups": len(batch.groups),
+             "groups_zero_variance": zero_variance, "groups_dropped": dropped}
+    if not trajectories:
+        return None, stats
+    return pack(trajectories, advantages, pad_id=pad_id), stats
+
+
+def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor,
+                      lengths: torch.Tensor) -> torch.Tensor:
+    """``out[b, t] = log p(tokens[b, t] | tokens[b, <t])`` (0 at t = 0 and on padding)."""
+    positions = torch.arange(tokens.shape[1])[None, :]
+    attention = (positions < lengths[:, None]).long()
+    logits = model(input_ids=tokens, attention_mask=attention).logits
+    return token_logprobs(logits, tokens)
+
+
+def alignment_check(model: torch.nn.Module, batch: TrainBatch,
+                    micro_batch_size: int) -> float:
+    """Mean |trainer logprob - vLLM logprob| over the trained tokens of ``batch``."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(batch.lengths), micro_batch_size):
+            mb = batch.slice(slice(start, start + micro_batch_size))
+            logprobs = sequence_logprobs(model, mb.tokens, mb.lengths)
+            diff = (logprobs.float() - mb.old_logprobs).abs()[mb.mask]
+            total += float(diff.sum())
+            count += int(mb.mask.sum())
+    return total / max(1, count)
+
+
+def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
+               ref_model=None) -> dict[str, float]:
+    """One optimizer step over ``batch`` with gradient accumulation over micro-batches."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    n_tokens = batch.n_tokens
+    n_sequences = int((batch.mask.sum(1) > 0).sum())
+    totals: dict[str, float] = {}
+    for start in range(0, len(batch.lengths), config.micro_batch_size):
+        mb = batch.slice(slice(start, start + config.micro_batch_size))
+        mb_tokens = int(mb.mask.sum())
+        if mb_tokens == 0:
+            continue
+        logprobs = sequence_logprobs(model, mb.tokens, mb.lengths).float()
+        if config.mode == "sft":
+            loss, metrics = sft_loss(logprobs, mb.mask), {}
+        else:
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = sequence_logprobs(ref_model, mb.tokens, mb.lengths).float()
+            loss, metrics = policy_loss(
+                logprobs, mb.old_logprobs, mb.advantages, mb.mask,
+                clip_low=config.clip_low, clip_high=config.clip_high, tis_cap=config.tis_cap,
+                trainer_old_logprobs=logprobs.detach(), aggregation=config.aggregation,
+                ref_logprobs=ref, kl_coef=config.kl_coef)
+        # Weight each micro-batch so the accumulated gradient is the batch's mean.
+        if config.aggregation == "sequence_mean" and config.mode == "rl":
+            weight = int((mb.mask.sum(1) > 0).sum()) / max(1, n_sequences)
+        else:
+            weight = mb_tokens / n_tokens
+        (loss * weight).backward()
+        totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * weight
+        for key, value in metrics.items():
+            if key != "n_tokens":
+                totals[key] = totals.get(key, 0.0) + float(value) * mb_tokens / n_tokens
+    if config.max_grad_norm is not None:
+        totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                   config.max_grad_norm))
+    optimizer.step()
+    totals["trained_tokens"] = n_tokens
+    return totals
+
+
+# --------------------------------------------------------------------------------------
+# checkpoints and metrics
+# --------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer,
+                    data_position: int = 0) -> Path:
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "step": step,
+                "data_position": data_position,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                        "python": random.getstate()}}, tmp / "trainer_state.pt")
+    tmp.rename(path)
+    return path
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+    return found[-1] if found else None
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                log.warning("tensorboard is not installed; metrics go to metrics.jsonl only")
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+# --------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------
+async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.vllm_sync import VLLMWeightSync
+
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    run_dir = config.run_dir
+    start_step = 0
+    checkpoint = latest_checkpoint(run_dir) if config.resume else None
+    model_path = str(checkpoint) if checkpoint else config.model
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                  weight_decay=config.weight_decay)
+    if checkpoint is not None:
+        state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        log.info("resumed from %s (step %d)", checkpoint, start_step)
+    ref_model = None
+    if config.kl_coef > 0 and config.mode == "rl":
+        ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).eval()
+    sync = None
+    if config.vllm_urls and config.mode == "rl":
+        if getattr(model.config, "tie_word_embeddings", False):
+            raise ValueError(
+                "vLLM 0.32's in-place reload_weights leaves lm_head stale when input and "
+                "output embeddings are tied (measured on the CPU build): train a model with "
+                "tie_word_embeddings=false, or sync by restarting vLLM")
+        sync = VLLMWeightSync(config.vllm_urls, run_dir / "weights")
+
+    if config.data is not None:
+        source: Any = JSONLBatches(config.data, config.batch_size)
+        if checkpoint is not None:
+            source.position = state.get("data_position", 0)
+    else:
+        source = APIBatches(config)
+        await source.register()
+
+    metrics = Metrics(run_dir, config.tensorboard)
+    summary: dict[str, Any] = {"start_step": start_step}
+    try:
+        for step in range(start_step, config.steps):
+            started = time.monotonic()
+            batch = source.next()
+            batch = await batch if asyncio.iscoroutine(batch) else batch
+            tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
+            if step == start_step == 0 and config.check_alignment and config.mode == "rl" \
+                    and tensors is not None:
+                model.eval()
+                diff = alignment_check(model, tensors, config.micro_batch_size)
+                summary["alignment_mean_abs_diff"] = diff
+                log.info("alignment check: mean |trainer - vLLM| logprob = %.2e over %d tokens",
+                         diff, tensors.n_tokens)
+                if diff >= config.alignment_tolerance:
+                    raise AlignmentError(
+                        f"trainer and vLLM logprobs differ by {diff:.3g} on average "
+                        f"(tolerance {config.alignment_tolerance}): tokens, masks or the "
+                        "model do not line up")
+                if check_only:
+                    return summary
+            values = dict(stats)
+            if tensors is not None:
+                values.update(train_step(model, optimizer, tensors, config, ref_model=ref_model))
+            if isinstance(source, APIBatches) and batch.lease_id is not None:
+                await source.client.ack(batch.lease_id)
+            version = step + 1
+            if sync is not None and version % config.sync_every == 0:
+                _, values["sync_seconds"] = await sync.sync(model, tokenizer, version)
+                if isinstance(source, APIBatches):
+                    await source.client.set_policy_version(version)
+            seconds = time.monotonic() - started
+            values["step_seconds"] = seconds
+            values["tokens_per_second"] = values.get("trained_tokens", 0) / seconds
+            metrics.log(version, values)
+            print(f"step {version}/{config.steps}  reward {values['reward_mean']:.3f}  "
+                  f"loss {values.get('loss', 0.0):.4f}  kl {values.get('approx_kl', 0.0):.2e}  "
+                  f"clip {values.get('clip_fraction', 0.0):.3f}  "
+                  f"tok/s {values['tokens_per_second']:.0f}", flush=True)
+            if version % config.checkpoint_every == 0 or version == config.steps:
+                save_checkpoint(run_dir, version, model, optimizer, tokenizer,
+                                getattr(source, "position", 0))
+            summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
+    finally:
+        metrics.close()
+        if isinstance(source, APIBatches):
+            await source.client.close()
+    return summary
