@@ -155,3 +155,34 @@ def test_masked_tokens_get_no_gradient(vllm_server, rollouts):
     predicts_trained[:, :-1] = batch.mask[:, 1:]
     grad = logits.grad.abs().sum(-1)
     assert (grad[~predicts_trained] == 0).all() and (grad[predicts_trained] > 0).all()
+
+
+def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollouts, tmp_path):
+    """torchrun, 2 CPU processes (gloo): the weights after a step equal one process's."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    common = ["--model", str(vllm_server.model_dir), "--data", str(rollouts), "--batch-size", "8",
+              "--micro-batch-size", "2", "--steps", "1", "--lr", "3e-3", "--tensorboard", "false",
+              "--check-alignment", "false", "--log-level", "WARNING",
+              # Adam's first step is ~lr * sign(g): where g ~ 0 it turns float summation-order
+              # noise into lr-sized differences. A large eps keeps the step linear in g there.
+              "--adam-eps", "1e-3"]
+    single = subprocess.run([sys.executable, "-m", "environments.cli", "train", *common,
+                             "--run-dir", str(tmp_path / "single")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port()), "-m", "environments.cli", "train"]
+    double = subprocess.run([*torchrun, *common, "--run-dir", str(tmp_path / "double")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert double.returncode == 0, double.stderr[-3000:]
+    a = load_file(tmp_path / "single/checkpoints/step_000001/model.safetensors")
+    b = load_file(tmp_path / "double/checkpoints/step_000001/model.safetensors")
+    initial = load_file(vllm_server.model_dir / "model.safetensors")
+    step = max(float((a[k] - initial[k]).abs().max()) for k in a)
+    assert step > 1e-4  # the step is 100x the tolerance: a mis-weighted rank would show
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -76,6 +76,15 @@ class TrainBatch:
     def n_tokens(self) -> int:
         return int(self.mask.sum())
 
+    def select(self, rows: list[int]) -> TrainBatch:
+        """The sequences ``rows`` (e.g. one data-parallel rank's share)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        lengths = self.lengths[index]
+        width = int(lengths.max()) if len(lengths) else 0
+        return TrainBatch(self.tokens[index, :width], self.mask[index, :width],
+                          self.old_logprobs[index, :width], self.advantages[index, :width],
+                          lengths)
+
     def slice(self, rows: slice) -> TrainBatch:
         lengths = self.lengths[rows]
         width = int(lengths.max()) if len(lengths) else 0

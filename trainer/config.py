@@ -49,6 +49,7 @@ class TrainConfig(BaseModel):
     lr: float = Field(default=1e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(default=1e-8, gt=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from environments.jsonl_store import read_groups
 from environments.trajectory import ScoredGroup
@@ -151,13 +153,29 @@ def alignment_check(model: torch.nn.Module, batch: TrainBatch,
     return total / max(1, count)
 
 
+def init_distributed() -> tuple[int, int]:
+    """``(rank, world_size)``; joins the process group when started by ``torchrun``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank() if world > 1 else 0), world
+
+
 def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
-               ref_model=None) -> dict[str, float]:
-    """One optimizer step over ``batch`` with gradient accumulation over micro-batches."""
+               ref_model=None, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """One optimizer step over ``batch`` with gradient accumulation over micro-batches.
+
+    Data parallel: every rank holds the whole batch and trains on sequences
+    ``rank, rank + world, ...``; each micro-batch's loss is weighted by its share of the
+    *whole* batch's trained tokens (or sequences), so summing the ranks' gradients
+    (all-reduce) gives exactly the single-process gradient.
+    """
     model.train()
     optimizer.zero_grad(set_to_none=True)
     n_tokens = batch.n_tokens
     n_sequences = int((batch.mask.sum(1) > 0).sum())
+    if world > 1:
+        batch = batch.select(list(range(rank, len(batch.lengths), world)))
     totals: dict[str, float] = {}
     for start in range(0, len(batch.lengths), config.micro_batch_size):
         mb = batch.slice(slice(start, start + config.micro_batch_size))
@@ -187,6 +205,15 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
         for key, value in metrics.items():
             if key != "n_tokens":
                 totals[key] = totals.get(key, 0.0) + float(value) * mb_tokens / n_tokens
+    if world > 1:
+        for parameter in model.parameters():
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad)
+        keys = sorted(totals)
+        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(summed)
+        totals = dict(zip(keys, summed.tolist()))
     if config.max_grad_norm is not None:
         totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                    config.max_grad_norm))
@@ -252,6 +279,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
 
     from trainer.vllm_sync import VLLMWeightSync
 
+    rank, world = init_distributed()
+    leader = rank == 0
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
@@ -265,7 +294,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab_size = model.get_input_embeddings().weight.shape[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
-                                  weight_decay=config.weight_decay)
+                                  eps=config.adam_eps, weight_decay=config.weight_decay)
     if checkpoint is not None:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -286,21 +315,28 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                 "tie_word_embeddings=false, or sync by restarting vLLM")
         sync = VLLMWeightSync(config.vllm_urls, run_dir / "weights")
 
-    if config.data is not None:
+    if config.data is not None:  # every rank reads the same batches
         source: Any = JSONLBatches(config.data, config.batch_size)
         if checkpoint is not None:
             source.position = state.get("data_position", 0)
-    else:
+    else:  # rank 0 leases, the others receive the batch from it
         source = APIBatches(config)
-        await source.register()
+        if leader:
+            await source.register()
 
-    metrics = Metrics(run_dir, config.tensorboard)
+    metrics = Metrics(run_dir, config.tensorboard) if leader else None
     summary: dict[str, Any] = {"start_step": start_step}
     try:
         for step in range(start_step, config.steps):
             started = time.monotonic()
-            batch = source.next()
-            batch = await batch if asyncio.iscoroutine(batch) else batch
+            if isinstance(source, APIBatches):
+                batch = await source.next() if leader else None
+                if world > 1:
+                    shared = [batch]
+                    dist.broadcast_object_list(shared, src=0)
+                    batch = shared[0]
+            else:
+                batch = source.next()
             tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
             if step == start_step == 0 and config.check_alignment and config.mode == "rl" \
                     and tensors is not None:
@@ -318,10 +354,13 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     return summary
             values = dict(stats)
             if tensors is not None:
-                values.update(train_step(model, optimizer, tensors, config, ref_model=ref_model))
+                values.update(train_step(model, optimizer, tensors, config, ref_model=ref_model,
+                                         rank=rank, world=world))
+            version = step + 1
+            if not leader:  # the leader acks, syncs, logs and checkpoints
+                continue
             if isinstance(source, APIBatches) and batch.lease_id is not None:
                 await source.client.ack(batch.lease_id)
-            version = step + 1
             if sync is not None and version % config.sync_every == 0:
                 _, values["sync_seconds"] = await sync.sync(model, tokenizer, version)
                 if isinstance(source, APIBatches):
@@ -339,7 +378,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                                 getattr(source, "position", 0))
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         if isinstance(source, APIBatches):
             await source.client.close()
     return summary
