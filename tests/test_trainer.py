@@ -186,3 +186,65 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
     assert step > 1e-4  # the step is 100x the tolerance: a mis-weighted rank would show
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_sft_on_oracle_messages_trains_only_assistant_tokens_and_lowers_the_loss(vllm_server, tmp_path):
+    from transformers import AutoTokenizer
+
+    from environments.envs.arithmetic_tool import ArithmeticToolEnv
+    from environments.inference.chat_template import ChatRenderer
+    from trainer.sft_data import read_sft_examples
+
+    env = ArithmeticToolEnv()
+    tools = [t.schema() for t in env.tools]
+    data = tmp_path / "oracle.jsonl"
+    with open(data, "w") as f:
+        for _ in range(8):
+            item = asyncio.run(env.get_next_item())
+            f.write(json.dumps({"messages": env.oracle_messages(item), "tools": tools}) + "\n")
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(vllm_server.model_dir))
+    example = read_sft_examples(data, renderer)[0]
+    trained = [t for t, m in zip(example.tokens, example.masks) if m != -100]
+    assistant = [m.content + "<|im_end|>" for m in example.messages if m.role == "assistant"]
+    assert renderer.decode(trained) == "".join(assistant)
+    assert len(example.turn_spans) == 2
+
+    cfg = config(tmp_path, vllm_server, data, mode="sft", steps=6, checkpoint_every=100)
+    asyncio.run(train(cfg))
+    losses = [json.loads(line)["loss"] for line in
+              (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0] * 0.8
+
+
+def test_train_from_the_rollout_api_acknowledges_leases_and_posts_the_policy_version(
+        vllm_server, tmp_path):
+    from conftest import running_api
+    from environments.api.client import RolloutAPIClient
+
+    env_config = EnvConfig(tokenizer=str(vllm_server.model_dir), group_size=4, max_turns=1,
+                           inference_servers=[vllm_server.url],
+                           max_tokens_per_turn=16, max_token_length=256, total_groups=4,
+                           spool_path=tmp_path / "spool.jsonl")
+
+    async def scenario():
+        async with running_api() as (url, api):
+            env = LetterEEnv(env_config.model_copy(update={"api_url": url}))
+            await env.start()
+            try:
+                await env.serve()
+            finally:
+                await env.close()
+            cfg = config(tmp_path, vllm_server, None, api_url=url, steps=2,
+                         vllm_urls=[vllm_server.url])
+            try:
+                summary = await train(cfg)
+            finally:
+                await VLLMWeightSync([vllm_server.url], tmp_path).reload(vllm_server.model_dir)
+            async with RolloutAPIClient(url) as client:
+                return summary, await client.status()
+
+    summary, status = asyncio.run(scenario())
+    assert summary["last_step"] == 2 and summary["alignment_mean_abs_diff"] < 1e-3
+    assert status["policy_version"] == 2
+    assert status["queue_size"] == 0 and status["active_leases"] == 0
+    assert status["counters"]["acked_leases"] == 2 and status["counters"]["acked_groups"] == 4

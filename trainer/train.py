@@ -81,6 +81,25 @@ class JSONLBatches:
         return Batch(groups)
 
 
+class SFTBatches:
+    """SFT examples (messages or groups, see :mod:`trainer.sft_data`), cycling."""
+
+    def __init__(self, path: Path, batch_size: int, tokenizer: Any):
+        from environments.inference.chat_template import ChatRenderer
+        from trainer.sft_data import read_sft_examples
+
+        self.examples = read_sft_examples(path, ChatRenderer(tokenizer))
+        self.batch_size = batch_size
+        self.position = 0
+
+    def next_tensors(self, pad_id: int) -> TrainBatch:
+        chosen = [self.examples[(self.position + i) % len(self.examples)]
+                  for i in range(self.batch_size)]
+        self.position += self.batch_size
+        return pack(chosen, [[0.0] * len(t.tokens) for t in chosen], pad_id=pad_id,
+                    with_logprobs=False)
+
+
 class APIBatches:
     """Leased batches from the rollout API."""
 
@@ -315,8 +334,14 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                 "tie_word_embeddings=false, or sync by restarting vLLM")
         sync = VLLMWeightSync(config.vllm_urls, run_dir / "weights")
 
-    if config.data is not None:  # every rank reads the same batches
-        source: Any = JSONLBatches(config.data, config.batch_size)
+    if config.mode == "sft":
+        if config.data is None:
+            raise ValueError("mode sft needs --data (a messages or groups JSONL)")
+        source: Any = SFTBatches(config.data, config.batch_size, tokenizer)
+        if checkpoint is not None:
+            source.position = state.get("data_position", 0)
+    elif config.data is not None:  # every rank reads the same batches
+        source = JSONLBatches(config.data, config.batch_size)
         if checkpoint is not None:
             source.position = state.get("data_position", 0)
     else:  # rank 0 leases, the others receive the batch from it
@@ -329,7 +354,10 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     try:
         for step in range(start_step, config.steps):
             started = time.monotonic()
-            if isinstance(source, APIBatches):
+            if isinstance(source, SFTBatches):
+                batch = None
+                tensors, stats = source.next_tensors(pad_id), {"reward_mean": 0.0}
+            elif isinstance(source, APIBatches):
                 batch = await source.next() if leader else None
                 if world > 1:
                     shared = [batch]
@@ -337,7 +365,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     batch = shared[0]
             else:
                 batch = source.next()
-            tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
+            if batch is not None:
+                tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
             if step == start_step == 0 and config.check_alignment and config.mode == "rl" \
                     and tensors is not None:
                 model.eval()
