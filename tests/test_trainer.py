@@ -248,3 +248,41 @@ def test_train_from_the_rollout_api_acknowledges_leases_and_posts_the_policy_ver
     assert status["policy_version"] == 2
     assert status["queue_size"] == 0 and status["active_leases"] == 0
     assert status["counters"]["acked_leases"] == 2 and status["counters"]["acked_groups"] == 4
+
+
+def test_launched_vllm_is_restarted_with_the_latest_weights_when_it_dies(vllm_server, rollouts, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from conftest import free_port
+
+    port = free_port()
+    metrics = tmp_path / "run/metrics.jsonl"
+    killed = threading.Event()
+
+    def kill_vllm_after_the_first_step():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed.is_set():
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                pids = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True,
+                                      text=True).stdout.split()
+                for pid in pids:
+                    os.killpg(os.getpgid(int(pid)), signal.SIGKILL)
+                killed.set()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_vllm_after_the_first_step, daemon=True)
+    watcher.start()
+    cfg = config(tmp_path, vllm_server, rollouts, steps=4, vllm_launch=True, vllm_port=port)
+    summary = asyncio.run(train(cfg))
+    killed.set()
+    assert summary["last_step"] == 4 and summary["vllm_restarts"] == 1
+    assert summary["alignment_mean_abs_diff"] < 1e-3
+    # every step's weights reached a live server: before the kill, by the restart, after it
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert all("sync_seconds" in line for line in lines)
+    assert sum("vllm_restarts" in line for line in lines) == 1

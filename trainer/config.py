@@ -56,6 +56,13 @@ class TrainConfig(BaseModel):
     # vLLM weight sync
     vllm_urls: list[str] = Field(default_factory=list)
     """Running vLLM servers (started with VLLM_SERVER_DEV_MODE=1) to sync weights into."""
+    vllm_launch: bool = False
+    """Start a vLLM server for the model as a subprocess (dev mode), health-check it after
+    every step and restart it (with the latest synced weights) if it died."""
+    vllm_port: int | None = None
+    vllm_max_model_len: int = Field(default=4096, ge=16)
+    vllm_args: list[str] = Field(default_factory=list)
+    """Extra arguments for the launched vLLM server."""
     sync_every: int = Field(default=1, ge=1)
     """Sync weights into vLLM (and post the new policy version) every N steps."""
     # alignment check

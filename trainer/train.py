@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -296,7 +297,7 @@ class Metrics:
 async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.vllm_sync import VLLMWeightSync
+    from trainer.vllm_sync import VLLMWeightSync, WeightSyncError
 
     rank, world = init_distributed()
     leader = rank == 0
@@ -325,15 +326,6 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     ref_model = None
     if config.kl_coef > 0 and config.mode == "rl":
         ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).eval()
-    sync = None
-    if config.vllm_urls and config.mode == "rl":
-        if getattr(model.config, "tie_word_embeddings", False):
-            raise ValueError(
-                "vLLM 0.32's in-place reload_weights leaves lm_head stale when input and "
-                "output embeddings are tied (measured on the CPU build): train a model with "
-                "tie_word_embeddings=false, or sync by restarting vLLM")
-        sync = VLLMWeightSync(config.vllm_urls, run_dir / "weights")
-
     if config.mode == "sft":
         if config.data is None:
             raise ValueError("mode sft needs --data (a messages or groups JSONL)")
@@ -349,9 +341,27 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
         if leader:
             await source.register()
 
+    if (config.vllm_urls or config.vllm_launch) and config.mode == "rl" \
+            and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError(
+            "vLLM 0.32's in-place reload_weights leaves lm_head stale when input and "
+            "output embeddings are tied (measured on the CPU build): train a model with "
+            "tie_word_embeddings=false, or sync by restarting vLLM")
     metrics = Metrics(run_dir, config.tensorboard) if leader else None
     summary: dict[str, Any] = {"start_step": start_step}
+    managed = None
     try:
+        vllm_urls = list(config.vllm_urls)
+        if config.vllm_launch and config.mode == "rl" and leader:
+            from trainer.vllm_manager import ManagedVLLM
+
+            managed = ManagedVLLM(config.model, port=config.vllm_port,
+                                  max_model_len=config.vllm_max_model_len,
+                                  extra_args=config.vllm_args, log_dir=run_dir)
+            vllm_urls.append(await asyncio.to_thread(managed.start))
+        latest_weights = None
+        sync = VLLMWeightSync(vllm_urls, run_dir / "weights") \
+            if vllm_urls and config.mode == "rl" and leader else None
         for step in range(start_step, config.steps):
             started = time.monotonic()
             if isinstance(source, SFTBatches):
@@ -390,8 +400,21 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                 continue
             if isinstance(source, APIBatches) and batch.lease_id is not None:
                 await source.client.ack(batch.lease_id)
+            if managed is not None and await asyncio.to_thread(managed.ensure_running,
+                                                               latest_weights):
+                values["vllm_restarts"] = managed.restarts
             if sync is not None and version % config.sync_every == 0:
-                _, values["sync_seconds"] = await sync.sync(model, tokenizer, version)
+                sync_started = time.monotonic()
+                latest_weights = await asyncio.to_thread(sync.save, model, tokenizer, version)
+                try:
+                    await sync.reload(latest_weights)
+                except (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError):
+                    # A launched server that died now restarts with the new weights.
+                    if managed is None or not await asyncio.to_thread(managed.ensure_running,
+                                                                      latest_weights):
+                        raise
+                    values["vllm_restarts"] = managed.restarts
+                values["sync_seconds"] = time.monotonic() - sync_started
                 if isinstance(source, APIBatches):
                     await source.client.set_policy_version(version)
             seconds = time.monotonic() - started
@@ -407,6 +430,9 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                                 getattr(source, "position", 0))
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
     finally:
+        if managed is not None:
+            summary["vllm_url"], summary["vllm_restarts"] = managed.url, managed.restarts
+            await asyncio.to_thread(managed.stop)
         if metrics is not None:
             metrics.close()
         if isinstance(source, APIBatches):
