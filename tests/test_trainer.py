@@ -286,3 +286,30 @@ def test_launched_vllm_is_restarted_with_the_latest_weights_when_it_dies(vllm_se
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     assert all("sync_seconds" in line for line in lines)
     assert sum("vllm_restarts" in line for line in lines) == 1
+
+
+def test_check_command_passes_on_real_rollouts_and_catches_an_off_by_one(vllm_server, rollouts, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def check(data):
+        return subprocess.run(
+            [sys.executable, "-m", "environments.cli", "train", "--check", "--model",
+             str(vllm_server.model_dir), "--data", str(data), "--batch-size", "8",
+             "--run-dir", str(tmp_path / "run"), "--tensorboard", "false",
+             "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    good = check(rollouts)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert json.loads(good.stdout)["alignment_mean_abs_diff"] < 1e-3
+    # shift every recorded logprob by one position: what an off-by-one would look like
+    shifted = tmp_path / "shifted.jsonl"
+    with GroupWriter(shifted) as writer:
+        for group in read_groups(rollouts):
+            for t in group.trajectories:
+                t.inference_logprobs = [1.0] + t.inference_logprobs[:-1]
+            writer.append(group)
+    bad = check(shifted)
+    assert bad.returncode == 1 and "AlignmentError" in bad.stderr and "do not line up" in bad.stderr
