@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test bench-api clean
+.PHONY: install test bench-api bench-rollout bench-trainer clean
 
 install: $(STAMP)
 
@@ -25,6 +25,12 @@ test: install
 
 bench-api: install
 	$(PY) benchmarks/api_throughput.py
+
+bench-rollout: install
+	$(PY) benchmarks/rollout_overhead.py
+
+bench-trainer: install
+	$(PY) benchmarks/trainer_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
