@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, running_api
-from environments import BaseEnv, TurnLevelRewardMixin, tool
+from environments import BaseEnv, tool
 from environments.api.client import RolloutAPIClient
 from environments.envs.arithmetic_tool import ArithmeticToolConfig, ArithmeticToolEnv
 from environments.inference.chat_template import ChatRenderer

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 import time
 import unicodedata
@@ -11,7 +10,6 @@ import urllib.request
 
 import pytest
 
-import conftest
 from environments.inference.vllm_process import VLLMProcess, VLLMProcessError
 from environments.tiny_model import (
     ENDOFTEXT,
@@ -21,9 +19,6 @@ from environments.tiny_model import (
     build_tokenizer,
     make_tiny_model,
 )
-
-if not hasattr(conftest, "vllm_server"):  # until conftest.py re-exports them
-    from vllm_fixture import tiny_model_dir, vllm_server  # noqa: F401
 
 TEXTS = [
     "hello world",

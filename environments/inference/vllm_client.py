@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -57,7 +57,6 @@ class PoolStats:
     retries: int = 0
     failures: int = 0
     completion_tokens: int = 0
-    per_server: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class VLLMServerPool:
