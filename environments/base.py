@@ -381,14 +381,21 @@ class BaseEnv:
         workers = max(1, math.ceil(self.config.concurrency / self.config.group_size)) + 1
         if n_groups is not None:
             workers = min(workers, n_groups)
-        reserved = delivered = 0
+        reserved = delivered = in_progress = 0
         done = asyncio.Event()
 
         async def worker() -> None:
-            nonlocal reserved, delivered
+            nonlocal reserved, delivered, in_progress
             while not done.is_set():
-                item = await self.get_next_item()
-                group = await self.collect_group(item)
+                if n_groups is not None and reserved + in_progress >= n_groups:
+                    await asyncio.sleep(0.05)  # enough groups under way; one may still fail
+                    continue
+                in_progress += 1
+                try:
+                    item = await self.get_next_item()
+                    group = await self.collect_group(item)
+                finally:
+                    in_progress -= 1
                 if self._failed_in_a_row >= self.config.max_failed_groups_in_a_row:
                     raise RuntimeError(f"{self._failed_in_a_row} groups in a row failed; "
                                        f"last error: {self.last_error}")

@@ -27,6 +27,7 @@ Each rollout records whether every step was prefix-preserving, so this is visibl
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ class ChatRenderer:
         self.eos_text: str = tokenizer.eos_token
         self.stop_token_ids: set[int] = {tokenizer.eos_token_id, *_generation_eos_ids(tokenizer)}
         self.after_eos = self._text_after_end_of_turn()
+        self._last_prompt: tuple[str, list[int]] | None = None
 
     # -- rendering ---------------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -88,8 +90,14 @@ class ChatRenderer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the conversation so far plus the generation prompt."""
-        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+        """Token ids of the conversation so far plus the generation prompt.
+
+        The last prompt is cached: the ``group_size`` rollouts of an item share it."""
+        key = json.dumps([messages, tools], sort_keys=True, default=str)
+        if self._last_prompt is None or self._last_prompt[0] != key:
+            ids = self.encode(self.render(messages, tools, add_generation_prompt=True))
+            self._last_prompt = (key, ids)
+        return list(self._last_prompt[1])
 
     def _text_after_end_of_turn(self) -> str:
         """What the template writes after an assistant turn's end-of-turn token."""

@@ -111,7 +111,9 @@ class VLLMServerPool:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0)
+            # vLLM's server (uvicorn) drops idle keep-alive connections after 5 s; reusing
+            # one it just closed fails the request, so let ours expire first.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers,
                                                   connector=connector)
         return self._session
