@@ -76,6 +76,11 @@ class TrainBatch:
     def n_tokens(self) -> int:
         return int(self.mask.sum())
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return TrainBatch(self.tokens.to(device), self.mask.to(device),
+                          self.old_logprobs.to(device), self.advantages.to(device),
+                          self.lengths.to(device))
+
     def select(self, rows: list[int]) -> TrainBatch:
         """The sequences ``rows`` (e.g. one data-parallel rank's share)."""
         index = torch.tensor(rows, dtype=torch.long)

@@ -153,7 +153,8 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
 def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor,
                       lengths: torch.Tensor) -> torch.Tensor:
     """``out[b, t] = log p(tokens[b, t] | tokens[b, <t])`` (0 at t = 0 and on padding)."""
-    positions = torch.arange(tokens.shape[1])[None, :]
+    positions = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    lengths = lengths.to(tokens.device)
     attention = (positions < lengths[:, None]).long()
     logits = model(input_ids=tokens, attention_mask=attention).logits
     return token_logprobs(logits, tokens)
@@ -165,7 +166,7 @@ def alignment_check(model: torch.nn.Module, batch: TrainBatch,
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(batch.lengths), micro_batch_size):
-            mb = batch.slice(slice(start, start + micro_batch_size))
+            mb = batch.slice(slice(start, start + micro_batch_size)).to(model.device)
             logprobs = sequence_logprobs(model, mb.tokens, mb.lengths)
             diff = (logprobs.float() - mb.old_logprobs).abs()[mb.mask]
             total += float(diff.sum())
@@ -177,6 +178,8 @@ def init_distributed() -> tuple[int, int]:
     """``(rank, world_size)``; joins the process group when started by ``torchrun``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank() if world > 1 else 0), world
 
@@ -198,7 +201,7 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
         batch = batch.select(list(range(rank, len(batch.lengths), world)))
     totals: dict[str, float] = {}
     for start in range(0, len(batch.lengths), config.micro_batch_size):
-        mb = batch.slice(slice(start, start + config.micro_batch_size))
+        mb = batch.slice(slice(start, start + config.micro_batch_size)).to(model.device)
         mb_tokens = int(mb.mask.sum())
         if mb_tokens == 0:
             continue
@@ -231,7 +234,8 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad)
         keys = sorted(totals)
-        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64,
+                              device=next(model.parameters()).device)
         dist.all_reduce(summed)
         totals = dict(zip(keys, summed.tolist()))
     if config.max_grad_norm is not None:
@@ -309,7 +313,9 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     start_step = 0
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
     model_path = str(checkpoint) if checkpoint else config.model
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -325,7 +331,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
         log.info("resumed from %s (step %d)", checkpoint, start_step)
     ref_model = None
     if config.kl_coef > 0 and config.mode == "rl":
-        ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device).eval()
     if config.mode == "sft":
         if config.data is None:
             raise ValueError("mode sft needs --data (a messages or groups JSONL)")
