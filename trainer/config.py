@@ -77,6 +77,7 @@ class TrainConfig(BaseModel):
     """Resume from the latest checkpoint in run_dir when there is one."""
     tensorboard: bool = True
     wandb: bool = False
+    """Also log to Weights & Biases (project "lachesis") when the package is installed."""
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> TrainConfig:

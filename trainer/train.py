@@ -269,10 +269,20 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, wandb: bool = False,
+                 config: dict[str, Any] | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(run_dir / "metrics.jsonl", "a")
         self.writer = None
+        self.wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_module
+
+                self.wandb = wandb_module.init(project="lachesis", dir=str(run_dir),
+                                               config=config, resume="allow")
+            except ImportError:
+                log.warning("wandb is not installed; metrics go to metrics.jsonl only")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -288,11 +298,15 @@ class Metrics:
             for key, value in values.items():
                 if isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def close(self) -> None:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 # --------------------------------------------------------------------------------------
@@ -353,7 +367,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             "vLLM 0.32's in-place reload_weights leaves lm_head stale when input and "
             "output embeddings are tied (measured on the CPU build): train a model with "
             "tie_word_embeddings=false, or sync by restarting vLLM")
-    metrics = Metrics(run_dir, config.tensorboard) if leader else None
+    metrics = Metrics(run_dir, config.tensorboard, config.wandb,
+                      config.model_dump(mode="json")) if leader else None
     summary: dict[str, Any] = {"start_step": start_step}
     managed = None
     try:
