@@ -268,6 +268,37 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+class Progress:
+    """A progress bar on a terminal (tqdm); one line per step in logs and pipes."""
+
+    def __init__(self, start: int, total: int):
+        import sys
+
+        self.total = total
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, values: dict[str, Any]) -> None:
+        fields = {"reward": f"{values['reward_mean']:.3f}",
+                  "loss": f"{values.get('loss', 0.0):.4f}",
+                  "kl": f"{values.get('approx_kl', 0.0):.2e}",
+                  "clip": f"{values.get('clip_fraction', 0.0):.3f}",
+                  "tok/s": f"{values['tokens_per_second']:.0f}"}
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"step {step}/{self.total}  " + "  ".join(f"{k} {v}" for k, v in fields.items()),
+                  flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class Metrics:
     def __init__(self, run_dir: Path, tensorboard: bool, wandb: bool = False,
                  config: dict[str, Any] | None = None):
@@ -370,7 +401,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     metrics = Metrics(run_dir, config.tensorboard, config.wandb,
                       config.model_dump(mode="json")) if leader else None
     summary: dict[str, Any] = {"start_step": start_step}
-    managed = None
+    managed = progress = None
     try:
         vllm_urls = list(config.vllm_urls)
         if config.vllm_launch and config.mode == "rl" and leader:
@@ -383,6 +414,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
         latest_weights = None
         sync = VLLMWeightSync(vllm_urls, run_dir / "weights") \
             if vllm_urls and config.mode == "rl" and leader else None
+        progress = Progress(start_step, config.steps) if leader else None
         for step in range(start_step, config.steps):
             started = time.monotonic()
             if isinstance(source, SFTBatches):
@@ -442,15 +474,14 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             values["step_seconds"] = seconds
             values["tokens_per_second"] = values.get("trained_tokens", 0) / seconds
             metrics.log(version, values)
-            print(f"step {version}/{config.steps}  reward {values['reward_mean']:.3f}  "
-                  f"loss {values.get('loss', 0.0):.4f}  kl {values.get('approx_kl', 0.0):.2e}  "
-                  f"clip {values.get('clip_fraction', 0.0):.3f}  "
-                  f"tok/s {values['tokens_per_second']:.0f}", flush=True)
+            progress.update(version, values)
             if version % config.checkpoint_every == 0 or version == config.steps:
                 save_checkpoint(run_dir, version, model, optimizer, tokenizer,
                                 getattr(source, "position", 0))
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
     finally:
+        if progress is not None:
+            progress.close()
         if managed is not None:
             summary["vllm_url"], summary["vllm_restarts"] = managed.url, managed.restarts
             await asyncio.to_thread(managed.stop)
