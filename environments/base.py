@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from environments.agent_loop import RolloutState, describe_turns, run_agent_loop
+from environments.settings import load_settings
 from environments.tool_parsers import get_parser
 from environments.tools import Tool
 from environments.trajectory import ScoredGroup, ScoredTrajectory, TrajectoryFlags
@@ -103,14 +103,7 @@ class EnvConfig(BaseModel):
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> EnvConfig:
         """Class defaults < YAML file (top level or under ``env:``) < ``overrides``."""
-        values: dict[str, Any] = {}
-        if path is not None:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping of settings")
-            values = dict(loaded.get("env", loaded))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(values)
+        return load_settings(cls, path, "env", overrides)
 
     def sampling(self, *, evaluation: bool = False) -> dict[str, Any]:
         temperature = self.eval_temperature if evaluation else self.temperature
@@ -243,9 +236,7 @@ class BaseEnv:
         return metrics
 
     async def _eval_one(self, item: Any) -> tuple[RolloutState, ScoredTrajectory]:
-        async with self._rollout_slots:
-            rollout = await self.collect_trajectory(item, evaluation=True)
-        scores = await self._score(item, rollout)
+        rollout, scores = await self._rollout(item, evaluation=True)
         return rollout, self.to_trajectory(item, rollout, scores)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -322,9 +313,12 @@ class BaseEnv:
                       "prefix_preserving": rollout.prefix_preserving,
                       "turns": describe_turns(rollout)})
 
-    async def _rollout(self, item: Any) -> tuple[RolloutState, float | list[float]]:
-        async with self._rollout_slots:
-            rollout = await self.collect_trajectory(item)
+    async def _rollout(self, item: Any, *, evaluation: bool = False
+                       ) -> tuple[RolloutState, float | list[float]]:
+        """One rollout within the concurrency limit, scored."""
+        async with self._rollout_slots:  # (user overrides may take no `evaluation`)
+            rollout = await (self.collect_trajectory(item, evaluation=True) if evaluation
+                             else self.collect_trajectory(item))
         return rollout, await self._score(item, rollout)
 
     async def collect_group(self, item: Any) -> ScoredGroup | None:

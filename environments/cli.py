@@ -45,19 +45,6 @@ def _run_api(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_env(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "env", help="run an environment: serve (to the API), process (to JSONL), evaluate",
-        description="Run an environment. NAME is a registered env (e.g. arithmetic_tool), "
-                    "path/to/file.py:Class or package.module:Class. Every setting of the "
-                    "env's config is also a flag (--group-size 4 ...): flags > --config "
-                    "YAML > class defaults. `lachesis env serve NAME --help` lists them.",
-        add_help=False)
-    p.add_argument("action", choices=["serve", "process", "evaluate"])
-    p.add_argument("name", help="registered name, path/to/file.py:Class or module:Class")
-    p.set_defaults(run=None)
-
-
 def _config_flags(parser: argparse.ArgumentParser, config_class) -> list[str]:
     """One ``--flag`` per config field; values are parsed as YAML (``4``, ``true``, ``[a, b]``);
     a list field also takes ``a,b``."""
@@ -85,9 +72,37 @@ def _parse_flag(value: str, annotation) -> object:
     return parsed
 
 
-def _run_env(argv: list[str]) -> int:
+def _settings_from_flags(prog: str, config_class, args: argparse.Namespace,
+                         names: list[str]):
+    """The settings of ``config_class`` (flags > ``--config`` YAML > defaults), or None after
+    printing what is wrong."""
+    fields = config_class.model_fields
+    try:
+        overrides = {n: _parse_flag(getattr(args, n), fields[n].annotation)
+                     for n in names if getattr(args, n) is not None}
+        return config_class.load(args.config, **overrides)
+    except (ValidationError, ValueError, OSError) as error:
+        print(f"{prog}: bad configuration: {error}", file=sys.stderr)
+        return None
+
+
+def _run_and_print(prog: str, coroutine) -> int:
+    """Run ``coroutine`` and print its result as JSON; errors become one line and exit 1."""
     import asyncio
     import json
+
+    try:
+        result = asyncio.run(coroutine)
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, ValueError, OSError) as error:
+        print(f"{prog}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _run_env(argv: list[str]) -> int:
     import logging
 
     from environments.registry import EnvNotFoundError, load_env_class
@@ -114,13 +129,8 @@ def _run_env(argv: list[str]) -> int:
     names = _config_flags(parser, env_class.config_class)
     args = parser.parse_args(rest)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    fields = env_class.config_class.model_fields
-    try:
-        overrides = {n: _parse_flag(getattr(args, n), fields[n].annotation)
-                     for n in names if getattr(args, n) is not None}
-        config = env_class.config_class.load(args.config, **overrides)
-    except (ValidationError, ValueError, OSError) as error:
-        print(f"lachesis env: bad configuration: {error}", file=sys.stderr)
+    config = _settings_from_flags("lachesis env", env_class.config_class, args, names)
+    if config is None:
         return 2
 
     async def main() -> dict:
@@ -135,20 +145,10 @@ def _run_env(argv: list[str]) -> int:
         finally:
             await env.close()
 
-    try:
-        result = asyncio.run(main())
-    except KeyboardInterrupt:
-        return 130
-    except (RuntimeError, ValueError, OSError) as error:
-        print(f"lachesis env {known.action}: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    print(json.dumps(result, indent=2, default=str))
-    return 0
+    return _run_and_print(f"lachesis env {known.action}", main())
 
 
 def _run_train(argv: list[str]) -> int:
-    import asyncio
-    import json
     import logging
 
     from trainer.config import TrainConfig
@@ -164,24 +164,12 @@ def _run_train(argv: list[str]) -> int:
     names = _config_flags(parser, TrainConfig)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        overrides = {n: _parse_flag(getattr(args, n), TrainConfig.model_fields[n].annotation)
-                     for n in names if getattr(args, n) is not None}
-        config = TrainConfig.load(args.config, **overrides)
-    except (ValidationError, ValueError, OSError) as error:
-        print(f"lachesis train: bad configuration: {error}", file=sys.stderr)
+    config = _settings_from_flags("lachesis train", TrainConfig, args, names)
+    if config is None:
         return 2
     from trainer.train import train
 
-    try:
-        summary = asyncio.run(train(config, check_only=args.check))
-    except KeyboardInterrupt:
-        return 130
-    except (RuntimeError, ValueError, OSError) as error:
-        print(f"lachesis train: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary, indent=2, default=str))
-    return 0
+    return _run_and_print("lachesis train", train(config, check_only=args.check))
 
 
 def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
@@ -209,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lachesis", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_api(subparsers)
-    _add_env(subparsers)
+    subparsers.add_parser("env", help="run an environment: serve (to the API), process (to "
+                          "JSONL), evaluate (lachesis env --help)", add_help=False)
     _add_make_tiny_model(subparsers)
     subparsers.add_parser("train", help="train the policy (lachesis train --help)", add_help=False)
     args = parser.parse_args(argv)

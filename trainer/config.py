@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from environments.settings import load_settings
 
 
 class TrainConfig(BaseModel):
@@ -81,11 +82,4 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-        values: dict[str, Any] = {}
-        if path is not None:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping of settings")
-            values = dict(loaded.get("train", loaded))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(values)
+        return load_settings(cls, path, "train", overrides)

@@ -41,12 +41,13 @@ def messages_to_trajectory(renderer: ChatRenderer, messages: list[dict[str, Any]
         raise BatchError(f"{where}: no assistant message to train on")
     encoded = renderer.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     tokens = encoded["input_ids"]
-    masks = [token if any(s <= a and b <= e for s, e in spans) and b > a else MASKED
-             for token, (a, b) in zip(tokens, encoded["offset_mapping"])]
-    masks[0] = MASKED
+    masks = [MASKED] * len(tokens)
     turn_spans = []
     for s, e in spans:
-        inside = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if s <= a and b <= e and b > a]
+        inside = [i for i, (a, b) in enumerate(encoded["offset_mapping"])
+                  if s <= a and b <= e and b > a and i > 0]
+        for i in inside:
+            masks[i] = tokens[i]
         if inside:
             turn_spans.append([inside[0], inside[-1] + 1])
     return ScoredTrajectory(tokens=tokens, masks=masks, scores=0.0, turn_spans=turn_spans,

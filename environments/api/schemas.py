@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from environments.settings import load_settings
 
 
 class Registration(BaseModel):
@@ -77,14 +78,7 @@ class APIConfig(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path | None, **overrides) -> APIConfig:
-        values = {}
-        if path is not None:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping of settings")
-            values = loaded.get("api", loaded)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(values)
+        return load_settings(cls, path, "api", overrides)
 
     @property
     def db_path(self) -> str:
