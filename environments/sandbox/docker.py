@@ -1,0 +1,293 @@
+"""The ``docker`` backend: one container per sandbox, through the ``docker`` Python SDK.
+
+The container runs the image (per task: ``config.image``) with no network (``--network
+none``) unless ``network``, a read-only root filesystem, every capability dropped,
+``no-new-privileges``, uid 1000, a memory cgroup limit (swap included), a pids limit, a CPU
+quota and rlimits (CPU seconds, file size, no core dumps). ``/workspace`` is a tmpfs volume
+of ``workspace_mb`` (owned by uid 1000; files move in and out with the archive API) and
+``/tmp`` a small tmpfs. PID 1 is a shell loop that reaps orphans, so the container lives
+until ``close()``, which removes it and its volume; processes started in the background
+by one exec keep running until then.
+
+Each exec runs under ``timeout -s KILL`` (coreutils, in the image) in its own process
+group; when its output goes past the limit the group is killed from a second exec. The
+SDK is synchronous: every call runs in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import tarfile
+import threading
+import time
+import weakref
+from typing import Any
+
+from environments.sandbox.base import (
+    SANDBOX_UID,
+    WORKSPACE,
+    ExecResult,
+    OutputCollector,
+    Sandbox,
+    SandboxError,
+    SandboxPathError,
+    SandboxUsageError,
+    owner_tag,
+)
+from environments.sandbox.reaper import HOST_LABEL, LABEL, OWNER_LABEL
+
+PID1 = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done"]
+"""The container's main process: sleeps, and reaps orphans (``wait`` reaps any child)."""
+_PIDFILE = "/tmp/.lachesis-exec.pid"
+_WRAPPER = ('echo $$ > ' + _PIDFILE + '; exec timeout -s KILL "$0" "$@"')
+"""Records the exec's pid (= its process group: ``timeout`` makes itself group leader),
+then runs the command under a hard wall-clock limit."""
+
+_GO_MODE_TYPE = sum(1 << bit for bit in (31, 27, 26, 25, 24, 21, 19))
+"""Go's os.ModeType (directory, symlink, named pipe, socket, device...): the archive API's
+``mode`` of anything that is not a regular file has one of these bits."""
+
+_client_lock = threading.Lock()
+_client = None
+
+
+def docker_client():
+    """The process's docker client (``DOCKER_HOST`` or the default socket)."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            try:
+                import docker
+            except ImportError:
+                raise SandboxError("the docker backend needs the docker SDK: pip install "
+                                   "'lachesis-rl[sandbox]' (or docker)") from None
+            try:
+                client = docker.from_env(timeout=120)
+                client.ping()
+            except Exception as error:  # noqa: BLE001 - any failure to reach the daemon
+                raise SandboxError(f"cannot reach the docker daemon: {error}") from error
+            _client = client
+        return _client
+
+
+def _cleanup(resources: dict) -> None:
+    """Finalizer of a sandbox that was never closed (GC or interpreter exit)."""
+    client = resources.get("client")
+    for kind in ("container", "volume"):
+        name = resources.get(kind)
+        if client is None or name is None:
+            continue
+        try:
+            if kind == "container":
+                client.api.remove_container(name, force=True)
+            else:
+                client.api.remove_volume(name, force=True)
+        except Exception:  # noqa: BLE001 - gone already; the reaper gets the rest
+            pass
+
+
+class DockerSandbox(Sandbox):
+    backend = "docker"
+
+    async def _start(self) -> None:
+        from environments.sandbox.images import default_image
+
+        self._resources: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, _cleanup, self._resources)
+        self.client = await asyncio.to_thread(docker_client)
+        self._resources["client"] = self.client
+        self.image = self.config.image or default_image()
+        await asyncio.to_thread(self._start_sync)
+
+    def _labels(self) -> dict[str, str]:
+        return {LABEL: self.id, OWNER_LABEL: owner_tag(), HOST_LABEL: socket.gethostname(),
+                "lachesis.created": f"{self.created_at:.0f}"}
+
+    def _start_sync(self) -> None:
+        import docker
+        from docker.types import Ulimit
+
+        c = self.config
+        name = f"lachesis-sandbox-{self.id}"
+        try:
+            volume = self.client.volumes.create(
+                name=name, driver="local", labels=self._labels(),
+                driver_opts={"type": "tmpfs", "device": "tmpfs",
+                             "o": f"size={c.workspace_mb}m,uid={SANDBOX_UID},"
+                                  f"gid={SANDBOX_UID},mode=0700"})
+            self._resources["volume"] = volume.name
+            container = self.client.containers.run(
+                self.image, PID1, name=name, detach=True, labels=self._labels(),
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}", working_dir=WORKSPACE,
+                network_mode=c.docker_network if c.network else "none",
+                read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                volumes={volume.name: {"bind": WORKSPACE, "mode": "rw"}},
+                tmpfs={"/tmp": "size=64m,mode=1777,exec"},
+                mem_limit=f"{c.memory_mb}m", memswap_limit=f"{c.memory_mb}m",
+                pids_limit=c.max_processes, nano_cpus=int(c.docker_cpus * 1e9),
+                ulimits=[Ulimit(name="cpu", soft=c.cpu_time_s, hard=c.cpu_time_s),
+                         Ulimit(name="fsize", soft=c.max_file_mb << 20,
+                                hard=c.max_file_mb << 20),
+                         Ulimit(name="core", soft=0, hard=0)],
+                environment={**self._base_env(), **c.env}, hostname="sandbox")
+            self._resources["container"] = container.id
+            self.container = container
+        except docker.errors.ImageNotFound as error:
+            raise SandboxError(f"docker image {self.image!r} not found; build it with "
+                               "`python -m environments.sandbox build-image`") from error
+        except docker.errors.DockerException as error:
+            raise SandboxError(f"could not start a container: {error}") from error
+
+    # -- exec ------------------------------------------------------------------------------
+    async def _exec(self, argv: list[str], timeout_s: float, env: dict[str, str],
+                    workdir: str) -> ExecResult:
+        started = time.monotonic()
+        done = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(self._exec_sync, argv, timeout_s, env,
+                                                      workdir, done))
+        try:
+            # ``timeout`` inside kills the command; this is for a stream held open by a
+            # process that left the group (``setsid cmd &``), or a daemon that hangs.
+            await asyncio.wait_for(asyncio.shield(job), timeout_s + 15)
+        except TimeoutError:
+            await asyncio.to_thread(self._kill_all)
+            try:
+                await asyncio.wait_for(asyncio.shield(job), 15)
+            except TimeoutError:
+                raise SandboxError(f"exec in container {self.id} did not finish") from None
+        except asyncio.CancelledError:
+            done.set()
+            await asyncio.shield(asyncio.to_thread(self._kill_all))
+            raise
+        exit_code, out, err, timed_out = job.result()
+        truncated = out.overflow or err.overflow
+        killed = timed_out or truncated
+        return ExecResult(exit_code=None if killed else exit_code, stdout=out.text(),
+                          stderr=err.text(), duration_s=time.monotonic() - started,
+                          timed_out=timed_out, output_truncated=truncated)
+
+    def _exec_sync(self, argv: list[str], timeout_s: float, env: dict[str, str],
+                   workdir: str, cancelled: threading.Event):
+        import docker
+
+        api = self.client.api
+        limit = self.config.max_output_bytes
+        out, err = OutputCollector(limit), OutputCollector(limit)
+        command = ["/bin/sh", "-c", _WRAPPER, f"{timeout_s:.3f}", *argv]
+        started = time.monotonic()
+        try:
+            exec_id = api.exec_create(self.container.id, command, workdir=workdir,
+                                      environment=env or None,
+                                      user=f"{SANDBOX_UID}:{SANDBOX_UID}")["Id"]
+            killed = False
+            for chunk_out, chunk_err in api.exec_start(exec_id, stream=True, demux=True):
+                over = (out.add(chunk_out) if chunk_out else False) | \
+                       (err.add(chunk_err) if chunk_err else False)
+                if (over or cancelled.is_set()) and not killed:
+                    # Kill from another thread and keep draining: a stream left unread
+                    # stalls the daemon's other execs on this container, the kill too.
+                    killed = True
+                    threading.Thread(target=self._kill_group, daemon=True).start()
+            exit_code = api.exec_inspect(exec_id).get("ExitCode")
+        except docker.errors.NotFound as error:
+            raise SandboxError(f"container {self.id} is gone: {error}") from error
+        except docker.errors.APIError as error:
+            if error.status_code == 409:  # not running: it died (e.g. pid 1 killed)
+                raise SandboxError(f"container {self.id} is not running: {error}") from error
+            raise SandboxError(f"exec failed: {error}") from error
+        except docker.errors.DockerException as error:
+            raise SandboxError(f"exec failed: {error}") from error
+        # timeout(1) exits 137 (128 + KILL) when it killed the command at the limit.
+        timed_out = exit_code == 137 and time.monotonic() - started >= timeout_s * 0.98
+        return exit_code, out, err, timed_out
+
+    def _kill_group(self) -> None:
+        """Kill the running exec's process group (its pid is in the pid file); if the
+        command removed the file, kill every process of the sandbox user."""
+        script = (f'p=$(cat {_PIDFILE} 2>/dev/null) && kill -KILL -- "-$p" 2>/dev/null '
+                  '|| kill -KILL -1')
+        try:
+            self.client.api.exec_start(self.client.api.exec_create(
+                self.container.id, ["/bin/sh", "-c", script],
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}")["Id"])
+        except Exception:  # noqa: BLE001 - the container may be gone
+            pass
+
+    def _kill_all(self) -> None:
+        """Kill every process of the sandbox user but PID 1 (``kill -1`` spares it)."""
+        try:
+            self.client.api.exec_start(self.client.api.exec_create(
+                self.container.id, ["/bin/sh", "-c", "kill -KILL -1"],
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}")["Id"])
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- files (the archive API; paths are resolved by the daemon inside the container) ---
+    def _write_sync(self, relative: str, data: bytes, mode: int) -> None:
+        import docker
+
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as archive:
+            now = time.time()
+            # Missing parent directories are created as entries of the archive.
+            parts = relative.split("/")[:-1]
+            for i in range(len(parts)):
+                info = tarfile.TarInfo("/".join(parts[:i + 1]))
+                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, now
+                info.uid = info.gid = SANDBOX_UID
+                archive.addfile(info)
+            info = tarfile.TarInfo(relative)
+            info.size, info.mode, info.mtime = len(data), mode, now
+            info.uid = info.gid = SANDBOX_UID
+            archive.addfile(info, io.BytesIO(data))
+        try:
+            ok = self.client.api.put_archive(self.container.id, WORKSPACE, buffer.getvalue())
+        except docker.errors.APIError as error:
+            if error.status_code in (400, 403, 404, 500) and "space" in str(error).lower():
+                raise SandboxUsageError(f"{relative}: no space left in the workspace") from error
+            if error.status_code in (400, 403, 404):
+                raise SandboxPathError(f"{relative}: cannot write there ({error.explanation})"
+                                       ) from error
+            raise SandboxError(f"writing {relative} failed: {error}") from error
+        if not ok:
+            raise SandboxError(f"writing {relative} failed")
+
+    def _read_sync(self, relative: str, limit: int) -> bytes:
+        import docker
+
+        try:
+            stream, info = self.client.api.get_archive(self.container.id,
+                                                       f"{WORKSPACE}/{relative}")
+        except docker.errors.NotFound:
+            raise FileNotFoundError(f"no such file in the workspace: {relative}") from None
+        except docker.errors.APIError as error:
+            raise SandboxError(f"reading {relative} failed: {error}") from error
+        if info.get("linkTarget"):
+            raise SandboxPathError(f"{relative} is a symlink")
+        if info.get("mode", 0) & _GO_MODE_TYPE:
+            raise SandboxPathError(f"{relative} is not a regular file")
+        if info.get("size", 0) > limit:
+            raise SandboxUsageError(f"{relative} is {info['size']} bytes, over the {limit}-byte "
+                                    "read limit")
+        data = b"".join(stream)
+        with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+            member = archive.next()
+            if member is None or not member.isfile():
+                raise SandboxPathError(f"{relative} is not a regular file")
+            return archive.extractfile(member).read()[:limit]
+
+    async def _write(self, relative: str, data: bytes, mode: int) -> None:
+        await asyncio.to_thread(self._write_sync, relative, data, mode)
+
+    async def _read(self, relative: str, limit: int) -> bytes:
+        return await asyncio.to_thread(self._read_sync, relative, limit)
+
+    async def _close(self) -> None:
+        resources = getattr(self, "_resources", None)
+        if resources:
+            await asyncio.to_thread(_cleanup, resources)
+            resources.pop("container", None)
+            resources.pop("volume", None)
+
