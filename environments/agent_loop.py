@@ -82,6 +82,9 @@ class RolloutState:
     prefix_preserving: bool = True
     trainable: bool = True
     n_prompt_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What an env records during the rollout for its reward hooks (e.g. a file the agent
+    left in its sandbox); not part of the trajectory."""
 
     @property
     def tool_errors(self) -> int:

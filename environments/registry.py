@@ -12,6 +12,8 @@ from environments.base import BaseEnv
 
 ENVIRONMENTS = {
     "arithmetic_tool": "environments.envs.arithmetic_tool:ArithmeticToolEnv",
+    "code_debug": "environments.envs.code_debug:CodeDebugEnv",
+    "gsm8k_code": "environments.envs.gsm8k_code:GSM8KCodeEnv",
 }
 """Envs shipped with Lachesis, by name."""
 

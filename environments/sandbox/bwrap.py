@@ -106,6 +106,16 @@ def _user_task_count(uid: int) -> int:
     return count
 
 
+def _check_traversable(root: Path) -> None:
+    """As root, sandboxes run under other uids: every directory above their workspace must
+    let others through (x), or bwrap cannot bind it."""
+    for directory in [root.resolve(), *root.resolve().parents]:
+        if not directory.stat().st_mode & 0o001:
+            raise SandboxError(f"sandbox uids cannot reach workspaces in {root}: {directory} "
+                               "is not searchable by others (chmod o+x, or pick another "
+                               "workspace_root)")
+
+
 class BwrapSandbox(Sandbox):
     backend = "bwrap"
     _probed = False
@@ -134,6 +144,7 @@ class BwrapSandbox(Sandbox):
             (etc / name).write_text(text)
             (etc / name).chmod(0o644)
         if os.geteuid() == 0:
+            _check_traversable(root)
             self.uid = self.gid = UID_BASE + random.randrange(UID_SPAN)
             os.chown(self.workspace, self.uid, self.gid)
             nproc = self.config.max_processes
@@ -141,7 +152,7 @@ class BwrapSandbox(Sandbox):
             self.uid = self.gid = None
             nproc = await asyncio.to_thread(_user_task_count, os.geteuid())
             nproc += self.config.max_processes
-        self._nproc = nproc + 3  # bwrap's own processes
+        self._nproc = nproc + 2  # the two bwrap processes (outside, and PID 1 inside)
         self._mounts = self._mount_args()
         if not BwrapSandbox._probed:
             result = await self._exec(["/bin/true"], 30.0, {}, WORKSPACE)
@@ -162,6 +173,7 @@ class BwrapSandbox(Sandbox):
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(_TMP_MB << 20), "--perms", "1777", "--tmpfs", "/tmp",
             "--bind", str(self.workspace), WORKSPACE,
+            "--remount-ro", "/",  # bwrap's root tmpfs: nothing but /tmp and /workspace is writable
         ]
 
     def _command(self, argv: list[str], env: dict[str, str], workdir: str) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 LABEL = "lachesis.sandbox"
 """Docker label on every container and volume a sandbox makes (value: the sandbox id)."""
 OWNER_LABEL = "lachesis.owner"
+_WORKSPACE_NAME = re.compile(r"^\d+\.\d+-[0-9a-f]{12}$")
+"""``PID.STARTTIME-SANDBOXID``: what bwrap / unsafe workspaces are named."""
 HOST_LABEL = "lachesis.host"
 
 
@@ -54,9 +57,9 @@ def reap_workspaces(root: Path | None = None, *, max_age_s: float | None = None)
     removed = []
     now = time.time()
     for entry in os.scandir(root):
-        owner, _, sandbox_id = entry.name.partition("-")
-        if not sandbox_id or not entry.is_dir(follow_symlinks=False):
+        if not _WORKSPACE_NAME.match(entry.name) or not entry.is_dir(follow_symlinks=False):
             continue
+        owner = entry.name.partition("-")[0]
         old = max_age_s is not None and now - entry.stat().st_mtime > max_age_s
         if owner_alive(owner) and not old:
             continue
