@@ -8,6 +8,9 @@ one exec to the next; processes do not: when the command exits, bwrap's pid-1 ex
 the kernel kills everything left in the pid namespace (``sleep 1000 &`` included), and a
 killed command (timeout, output limit, ``close()``) takes its whole namespace with it.
 
+``--die-with-parent``: if the process that owns the sandbox dies (even ``kill -9``), its
+running commands die with it; only the workspace directory is left, for the reaper.
+
 Limits are rlimits set by ``prlimit`` on the bwrap process and inherited by the command:
 CPU seconds, address space, file size, processes, no core dumps. When this process is root,
 each sandbox runs under its own unprivileged host uid (picked at random in a high range), so
@@ -214,6 +217,8 @@ class BwrapSandbox(Sandbox):
     def _check_bwrap_failure(result: ExecResult) -> None:
         # bwrap reports its own failures (mounts, namespaces) as "bwrap: ..." with exit 1.
         if result.exit_code == 1 and result.stderr.startswith("bwrap: "):
+            if result.stderr.startswith("bwrap: Can't chdir"):
+                raise SandboxUsageError(result.stderr.strip().removeprefix("bwrap: "))
             raise SandboxError(f"bwrap failed: {result.stderr.strip()}")
 
     def _over_quota(self) -> bool:

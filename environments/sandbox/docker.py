@@ -6,12 +6,14 @@ none``) unless ``network``, a read-only root filesystem, every capability droppe
 quota and rlimits (CPU seconds, file size, no core dumps). ``/workspace`` is a tmpfs volume
 of ``workspace_mb`` (owned by uid 1000; files move in and out with the archive API) and
 ``/tmp`` a small tmpfs. PID 1 is a shell loop that reaps orphans, so the container lives
-until ``close()``, which removes it and its volume; processes started in the background
-by one exec keep running until then.
+until ``close()``, which removes it and its volume.
 
 Each exec runs under ``timeout -s KILL`` (coreutils, in the image) in its own process
-group; when its output goes past the limit the group is killed from a second exec. The
-SDK is synchronous: every call runs in a worker thread, never on the event loop.
+group, killed when the command ends (so ``cmd &`` ends with the exec, as with bwrap; only
+a process that leaves the group, e.g. with ``setsid``, lives on until ``close()``), and
+from a second exec when its output goes past the limit. The SDK is synchronous: every
+call runs in a worker thread, never on the event loop. Note: uid 1000 in the container is
+uid 1000 on the host unless the daemon uses ``userns-remap``.
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ from environments.sandbox.reaper import HOST_LABEL, LABEL, OWNER_LABEL
 PID1 = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done"]
 """The container's main process: sleeps, and reaps orphans (``wait`` reaps any child)."""
 _PIDFILE = "/tmp/.lachesis-exec.pid"
-_WRAPPER = ('echo $$ > ' + _PIDFILE + '; exec timeout -s KILL "$0" "$@"')
-"""Records the exec's pid (= its process group: ``timeout`` makes itself group leader),
-then runs the command under a hard wall-clock limit."""
+_WRAPPER = ('timeout -s KILL "$0" "$@" & pid=$!; echo $pid > ' + _PIDFILE + '; wait $pid; '
+            'rc=$?; kill -KILL -- -$pid 2>/dev/null; exit $rc')
+"""Runs the command under a hard wall-clock limit in its own process group (``timeout``
+makes itself group leader), records that group in the pid file (to kill it on too much
+output), and kills what is left of the group when the command ends: background jobs and
+fork-bomb leftovers do not outlive the exec, as with bwrap. A process that leaves the
+group (``setsid``) lives until ``close()``."""
 
 _GO_MODE_TYPE = sum(1 << bit for bit in (31, 27, 26, 25, 24, 21, 19))
 """Go's os.ModeType (directory, symlink, named pipe, socket, device...): the archive API's
