@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def _run_and_print(prog: str, coroutine) -> int:
     except (RuntimeError, ValueError, OSError) as error:
         print(f"{prog}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2, default=str))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary
+        print(json.dumps(result, indent=2, default=str))
     return 0
 
 

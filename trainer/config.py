@@ -53,6 +53,10 @@ class TrainConfig(BaseModel):
     adam_eps: float = Field(default=1e-8, gt=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    sharding: Literal["auto", "replicate", "fsdp"] = "auto"
+    """Under ``torchrun``: ``fsdp`` shards parameters, gradients and optimizer state over
+    the ranks (FSDP2 ``fully_shard``); ``replicate`` keeps a full copy per rank and
+    all-reduces gradients; ``auto`` is ``fsdp`` on GPU and ``replicate`` on CPU."""
     seed: int = 0
     # vLLM weight sync
     vllm_urls: list[str] = Field(default_factory=list)
