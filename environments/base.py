@@ -69,6 +69,10 @@ class EnvConfig(BaseModel):
     api_token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
     env_weight: float = Field(default=1.0, gt=0)
     min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
+    max_queued_groups: int | None = Field(default=None, ge=1)
+    """Wait before starting a group while the rollout API holds this many groups (queued
+    plus this env's groups under way): keeps rollouts close to the current policy.
+    None: never wait."""
     spool_path: Path | None = None
     """Where groups wait while the API is unreachable (default runs/spool/NAME.jsonl)."""
     # inference
@@ -160,6 +164,8 @@ class BaseEnv:
         self.stats = EnvStats()
         self.rng = random.Random(self.config.seed)
         self.policy_version: int | None = None
+        self.queued_groups: int | None = None
+        """Groups waiting in the rollout API (``serve`` keeps it current)."""
         self.renderer = None
         self.backend = None
         self.eval_backend = None
@@ -218,6 +224,7 @@ class BaseEnv:
                           type(r).__name__, r)
         n = len(ok)
         outcomes = [t.outcome for _, t in ok]
+        names = sorted({k for _, t in ok for k in t.metadata.get("metrics", {})})
         metrics = {
             "env": self.name, "items": len(items), "failed": len(items) - n,
             "mean_outcome": sum(outcomes) / n if n else None,
@@ -225,6 +232,8 @@ class BaseEnv:
             "tool_calls_per_episode": sum(s.tool_calls for s, _ in ok) / n if n else None,
             "tool_errors_per_episode": sum(s.tool_errors for s, _ in ok) / n if n else None,
             "truncated_rate": sum(s.truncated for s, _ in ok) / n if n else None,
+            **{name: sum(t.metadata["metrics"].get(name, 0.0) for _, t in ok) / n
+               for name in names},
         }
         if self.config.eval_out is not None:
             from environments.jsonl_store import GroupWriter
@@ -296,6 +305,13 @@ class BaseEnv:
             raise RewardError(f"item {self.item_id(item)}: non-finite reward {scores}")
         return scores
 
+    def rollout_metrics(self, item: Any, rollout: RolloutState,
+                        scores: float | list[float]) -> dict[str, float]:
+        """Numbers that describe one rollout (e.g. ``tool_success``, ``correct``): stored in
+        the trajectory's ``metadata["metrics"]``, averaged by ``evaluate`` and, per batch, by
+        the trainer. Override to report an env's own measures."""
+        return {}
+
     def to_trajectory(self, item: Any, rollout: RolloutState,
                       scores: float | list[float]) -> ScoredTrajectory:
         versions = [t.policy_version for t in rollout.turns]
@@ -311,7 +327,8 @@ class BaseEnv:
                                   trainable=rollout.trainable),
             metadata={"item_id": self.item_id(item), "stop": rollout.stop,
                       "prefix_preserving": rollout.prefix_preserving,
-                      "turns": describe_turns(rollout)})
+                      "turns": describe_turns(rollout),
+                      "metrics": self.rollout_metrics(item, rollout, scores)})
 
     async def _rollout(self, item: Any, *, evaluation: bool = False
                        ) -> tuple[RolloutState, float | list[float]]:
@@ -384,6 +401,10 @@ class BaseEnv:
                 if n_groups is not None and reserved + in_progress >= n_groups:
                     await asyncio.sleep(0.05)  # enough groups under way; one may still fail
                     continue
+                limit = self.config.max_queued_groups
+                if limit is not None and (self.queued_groups or 0) + in_progress >= limit:
+                    await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
+                    continue
                 in_progress += 1
                 try:
                     item = await self.get_next_item()
@@ -400,6 +421,8 @@ class BaseEnv:
                 reserved += 1
                 group.env_id = getattr(self, "env_id", None)
                 await delivery.send(group)
+                if self.queued_groups is not None:  # until the next status poll says
+                    self.queued_groups += 1
                 delivered += 1
                 self.stats.groups_sent += 1
                 if n_groups is not None and delivered >= n_groups:
@@ -482,9 +505,11 @@ class BaseEnv:
     async def _poll_policy_version(self, client: Any) -> None:
         status = await client.status()
         self.policy_version = status.get("policy_version", self.policy_version)
+        self.queued_groups = status.get("queue_size", self.queued_groups)
 
-    async def _follow_policy_version(self, client: Any, interval_s: float = 2.0) -> None:
-        """Keep ``policy_version`` (recorded per turn) in step with the trainer's."""
+    async def _follow_policy_version(self, client: Any, interval_s: float = 0.5) -> None:
+        """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
+        the API's."""
         while True:
             await asyncio.sleep(interval_s)
             try:

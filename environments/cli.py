@@ -190,6 +190,31 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run", help="run the whole system from one YAML file (API, vLLM, envs, trainer)",
+        description="Start the rollout API, vLLM, the env servers and the trainer as "
+                    "separate processes; everything goes under runs/NAME/.")
+    p.add_argument("config", type=Path, help="run YAML (see configs/quickstart.yaml)")
+    p.add_argument("--fresh", action="store_true", help="delete runs/NAME first")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in runs/NAME (warm start and checkpoints are reused)")
+    p.add_argument("--name", help="override the run name")
+    p.set_defaults(run=_run_run)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from environments.run.config import RunConfig
+    from environments.run.supervisor import run
+
+    try:
+        config = RunConfig.load(args.config, name=args.name)
+    except (ValidationError, ValueError, LookupError, OSError) as error:
+        print(f"lachesis run: bad configuration {args.config}: {error}", file=sys.stderr)
+        return 2
+    return run(config, fresh=args.fresh, resume=args.resume)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["env"]:  # its flags depend on the env's config class
@@ -202,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers.add_parser("env", help="run an environment: serve (to the API), process (to "
                           "JSONL), evaluate (lachesis env --help)", add_help=False)
     _add_make_tiny_model(subparsers)
+    _add_run(subparsers)
     subparsers.add_parser("train", help="train the policy (lachesis train --help)", add_help=False)
     args = parser.parse_args(argv)
     return args.run(args)

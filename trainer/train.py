@@ -132,11 +132,15 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
     trajectories, advantages = [], []
     dropped = zero_variance = 0
     rewards = []
+    env_metrics: dict[str, list[float]] = {}
     for group in batch.groups:
         result = compute_group_advantages(
             group.trajectories, config.estimator, turn_advantage_coef=config.turn_advantage_coef,
             gamma=config.gamma, zero_variance=config.zero_variance)
         rewards += [t.outcome for t in group.trajectories]
+        for t in group.trajectories:
+            for name, value in (t.metadata.get("metrics") or {}).items():
+                env_metrics.setdefault(name, []).append(float(value))
         if result is None:
             dropped += 1
             continue
@@ -144,7 +148,12 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
         trajectories += group.trajectories
         advantages += result.advantages
     stats = {"reward_mean": float(np.mean(rewards)), "groups": len(batch.groups),
-             "groups_zero_variance": zero_variance, "groups_dropped": dropped}
+             "groups_zero_variance": zero_variance, "groups_dropped": dropped,
+             **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
+    versions = [t.policy_version for g in batch.groups for t in g.trajectories
+                if t.policy_version is not None]
+    if versions:
+        stats["rollout_policy_version_min"] = min(versions)
     if not trajectories:
         return None, stats
     return pack(trajectories, advantages, pad_id=pad_id), stats
@@ -535,7 +544,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                                          rank=rank, world=world, sharded=sharded))
             version = step + 1
             syncs = bool(config.vllm_urls or config.vllm_launch) and config.mode == "rl" \
-                and version % config.sync_every == 0
+                and (version % config.sync_every == 0 or version == config.steps)
             checkpoints = version % config.checkpoint_every == 0 or version == config.steps
             # Sharded weights are gathered by every rank together; rank 0 receives them.
             weights = full_state_dict(model, sharded) if sharded and (syncs or checkpoints) \
