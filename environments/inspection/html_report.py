@@ -163,8 +163,8 @@ def stats_html(stats: Stats) -> str:
         ("outcome", f"mean {stats.outcome_mean:.4g} · std {stats.outcome_std:.4g} · "
                     f"min {stats.outcome_min:.4g} · max {stats.outcome_max:.4g}"),
         ("truncated", f"{stats.truncated:,} ({stats.truncated_rate:.1%})"),
-        ("tool errors", f"{stats.with_tool_errors:,} trajectories "
-                        f"({stats.tool_error_rate:.1%}) · {stats.tool_errors:,} errors"),
+        ("tool errors", f"{stats.with_tool_errors:,} of {stats.trajectories:,} trajectories "
+                        f"({stats.tool_error_rate:.1%}) · {stats.tool_errors:,} in all"),
         ("not trainable", f"{stats.not_trainable:,}"),
         ("tokens", f"{stats.tokens / stats.trajectories:,.1f} per trajectory · "
                    f"{stats.trained_tokens / stats.tokens:.1%} trained"),
@@ -282,9 +282,10 @@ def _page_head(source: Path, title: str | None, filter: Filter, decoder: TokenDe
                max_bytes: int, seed: int) -> str:
     title = title or f"Lachesis report: {source.name}"
     size = source.stat().st_size
+    tokens = "decoded with the tokenizer" if decoder.has_text else "ids (no --tokenizer)"
     meta = (f"{_e(source)} · {size / 1e6:,.1f} MB · {report.lines:,} lines · "
             f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} · filter: {_e(filter.describe())}"
-            f" · tokens: {'decoded with the tokenizer' if decoder.has_text else 'ids (no --tokenizer)'}")
+            f" · tokens: {tokens}")
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'

@@ -183,8 +183,8 @@ def stats_tables(stats: Stats, path: Path, report: ReadReport, filter: Filter) -
     overview.add_row("zero-spread groups",
                      f"{stats.zero_spread_groups} of {stats.groups} (all outcomes equal)")
     overview.add_row("truncated", f"{stats.truncated} ({stats.truncated_rate:.1%})")
-    overview.add_row("tool errors", f"{stats.with_tool_errors} trajectories "
-                     f"({stats.tool_error_rate:.1%}) · {stats.tool_errors} errors")
+    overview.add_row("tool errors", f"{stats.with_tool_errors} of {stats.trajectories} trajectories "
+                     f"({stats.tool_error_rate:.1%}) · {stats.tool_errors} in all")
     overview.add_row("not trainable", str(stats.not_trainable))
     overview.add_row("tokens", f"{stats.tokens / stats.trajectories:.1f} per trajectory · "
                      f"{stats.trained_tokens / stats.tokens:.1%} trained")
@@ -223,7 +223,8 @@ def report_bad_lines(console: Console, path: Path, report: ReadReport) -> None:
                       highlight=False, soft_wrap=True)
     if report.bad_lines:
         console.print(f"{len(report.bad_lines)} bad line{'s' * (len(report.bad_lines) > 1)} "
-                      f"skipped in {path}", style="bold red", highlight=False)
+                      f"skipped in {path}", style="bold red", highlight=False,
+                      soft_wrap=True)
 
 
 def inspect_file(path: Path, *, filter: Filter, console: Console, err_console: Console,
@@ -247,7 +248,8 @@ def inspect_file(path: Path, *, filter: Filter, console: Console, err_console: C
                 break
         if found is None:
             err_console.print(f"{path}: no group {group!r} (by index from 0 or by group id); "
-                              f"the file has {report.groups} groups", highlight=False)
+                              f"the file has {report.groups} groups", highlight=False,
+                              soft_wrap=True)
             status = 1
         else:
             render_group(console, found, decoder, max_chars=max_chars, tokens=tokens)
@@ -259,11 +261,13 @@ def inspect_file(path: Path, *, filter: Filter, console: Console, err_console: C
             shown += 1
             if limit and shown >= limit:
                 console.print(f"showed the first {shown} matching groups (--limit {limit}; "
-                              "--limit 0 shows all)", style="dim", highlight=False)
+                              "--limit 0 shows all)", style="dim", highlight=False,
+                              soft_wrap=True)
                 break
         else:
             console.print(f"{shown} matching groups of {report.groups} in {path} "
-                          f"(filter: {filter.describe()})", style="dim", highlight=False)
+                          f"(filter: {filter.describe()})", style="dim", highlight=False,
+                          soft_wrap=True)
     report_bad_lines(err_console, path, report)
     if report.groups == 0 and report.bad_lines:
         status = 1
