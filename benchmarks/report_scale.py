@@ -119,7 +119,7 @@ def browser_load(report: Path, runs: int = 3) -> dict:
         for _ in range(runs):
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
             started = time.perf_counter()
-            page.goto(report.as_uri(), wait_until="commit")
+            page.goto(report.resolve().as_uri(), wait_until="commit")
             page.wait_for_function("document.querySelectorAll('#list tbody tr').length > 0",
                                    polling=10)
             loads.append(time.perf_counter() - started)
@@ -154,7 +154,7 @@ def main() -> None:
           f"in {time.perf_counter() - started:.1f} s", flush=True)
 
     baseline = run_child("imports-only")
-    result = run_child(str(big), str(args.dir / "big.html"), "1000", "50")
+    result = run_child(str(big), str(args.dir / "big.html"), "1000", "100")  # the defaults
     print(f"report of {big.stat().st_size / 1e6:.0f} MB: {result['wall_s']:.1f} s, "
           f"embedded {result['embedded']} of {result['groups']} groups "
           f"({result['selection']}), page {result['report_bytes'] / 1e6:.1f} MB; peak RSS "

@@ -267,8 +267,9 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--out", type=Path, help="HTML file to write (default: FILE.html)")
     p.add_argument("--max-groups", type=int, default=1000,
                    help="groups embedded in the page at most (default 1000)")
-    p.add_argument("--max-mb", type=float, default=50.0,
-                   help="JSONL megabytes of groups embedded in the page at most (default 50)")
+    p.add_argument("--max-mb", type=float, default=100.0,
+                   help="megabytes of JSONL lines embedded in the page at most (default 100; "
+                        "the page holds them compressed, ~1/4 of that)")
     p.add_argument("--sample", choices=["random", "first"], default="random",
                    help="which groups to embed when not all fit (default: uniform random)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random sample")

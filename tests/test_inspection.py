@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import shutil
 import tracemalloc
 from pathlib import Path
@@ -222,7 +223,7 @@ def test_report_of_a_large_file_streams_with_bounded_memory(tmp_path):
     page = (tmp_path / "big.html").read_text()
     assert (f"Included: {result.embedded} of {n_groups} matching groups, a uniform random "
             "sample (seed 0)") in page
-    assert page.count('<script type="application/json" class="g"') == result.embedded
+    assert page.count('class="g"') == result.embedded
 
 
 class ScriptedEnv(TurnLevelRewardMixin, BaseEnv):
@@ -279,6 +280,8 @@ def test_report_in_headless_chromium(tmp_path, tiny_model_dir):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("requestfailed", lambda r: errors.append(f"request {r.url}"))
+            html = (tmp_path / "report.html").read_text()
+            assert not re.search(r"\b(src|href)=", html)  # nothing to fetch: works offline
             page.goto((tmp_path / "report.html").as_uri())
             # the list, from the summary; bad lines named by line number
             rows = page.locator("#list tbody tr")

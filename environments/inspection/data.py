@@ -248,8 +248,8 @@ def conversation(t: ScoredTrajectory, decoder: TokenDecoder | None = None
                  ) -> list[ConversationRow]:
     """The messages turn by turn, each assistant turn carrying its :class:`TurnRow`.
 
-    Without messages, each turn's text is decoded from its tokens (``decoder``), or is
-    empty."""
+    Without messages, each turn's text is decoded from its tokens (``decoder``; token
+    ids without a tokenizer), or is empty without a decoder."""
     turns = turn_rows(t)
     by_message = {id(r.message): r for r in turns if r.message is not None}
     rows = [ConversationRow(m.role, message_text(m), by_message.get(id(m)))

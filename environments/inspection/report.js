@@ -125,7 +125,17 @@
     view.innerHTML = out.join("");
   }
 
-  function openGroup(i) {
+  async function unpack(chunk) {
+    // base64 of zlib-compressed JSON (see html_report._packed)
+    const bin = atob(chunk.textContent);
+    const bytes = new Uint8Array(bin.length);
+    for (let k = 0; k < bin.length; k++) bytes[k] = bin.charCodeAt(k);
+    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+    return JSON.parse(await new Response(stream).text());
+  }
+
+  let opening = 0;
+  async function openGroup(i) {
     const chunk = $("g" + i);
     if (!chunk) {
       if (document.readyState === "loading") {
@@ -135,7 +145,13 @@
       }
       return;
     }
-    const g = JSON.parse(chunk.textContent);
+    if (typeof DecompressionStream === "undefined") {
+      $("detail").innerHTML = '<p class="hint">This browser cannot open groups (it lacks DecompressionStream).</p>';
+      return;
+    }
+    const ticket = ++opening;
+    const g = await unpack(chunk);
+    if (ticket !== opening) return; // another group was asked for meanwhile
     g.advScale = 0;
     for (const t of g.t) if (t.adv) for (const a of t.adv) if (Math.abs(a) > g.advScale) g.advScale = Math.abs(a);
     current = g;
