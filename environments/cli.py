@@ -247,13 +247,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
     if inputs is None:
         return 2
     filter, decoder = inputs
-    try:
-        return inspect_file(args.file, filter=filter, decoder=decoder, console=Console(),
-                            err_console=Console(stderr=True), group=args.group,
-                            limit=args.limit, stats=args.stats, tokens=args.tokens,
-                            max_chars=args.max_chars)
-    except BrokenPipeError:  # e.g. piped into `head`
-        return 0
+    # (piped into `head`, rich stops quietly on the broken pipe, with status 1)
+    return inspect_file(args.file, filter=filter, decoder=decoder, console=Console(),
+                        err_console=Console(stderr=True), group=args.group, limit=args.limit,
+                        stats=args.stats, tokens=args.tokens, max_chars=args.max_chars)
 
 
 def _add_report(subparsers: argparse._SubParsersAction) -> None:

@@ -251,6 +251,10 @@ def conversation(t: ScoredTrajectory, decoder: TokenDecoder | None = None
     Without messages, each turn's text is decoded from its tokens (``decoder``; token
     ids without a tokenizer), or is empty without a decoder."""
     turns = turn_rows(t)
+    if not turns and not t.messages:  # e.g. an Atropos line: the tokens, by mask runs
+        return [ConversationRow("sampled" if trained else "context",
+                                decoder.decode(t.tokens[start:end]) if decoder else "")
+                for start, end, trained in mask_runs(t.masks)]
     by_message = {id(r.message): r for r in turns if r.message is not None}
     rows = [ConversationRow(m.role, message_text(m), by_message.get(id(m)))
             for m in t.messages or []]
@@ -259,6 +263,17 @@ def conversation(t: ScoredTrajectory, decoder: TokenDecoder | None = None
             text = decoder.decode(t.tokens[r.start:r.end]) if decoder is not None else ""
             rows.append(ConversationRow("assistant", text, r))
     return rows
+
+
+def mask_runs(masks: list[int]) -> list[tuple[int, int, bool]]:
+    """``(start, end, trained)`` runs of consecutive context or trained positions."""
+    runs: list[tuple[int, int, bool]] = []
+    start = 0
+    for j in range(1, len(masks) + 1):
+        if j == len(masks) or (masks[j] != MASKED) != (masks[start] != MASKED):
+            runs.append((start, j, masks[start] != MASKED))
+            start = j
+    return runs
 
 
 # -- tokens ----------------------------------------------------------------------------------

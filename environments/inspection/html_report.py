@@ -40,6 +40,7 @@ from environments.inspection.data import (
     StatsAccumulator,
     TokenDecoder,
     conversation,
+    mask_runs,
     scan,
     select,
     summarize,
@@ -83,16 +84,6 @@ def _packed(value: Any) -> bytes:
     return base64.b64encode(zlib.compress(orjson.dumps(value), 6))
 
 
-def _runs(masks: list[int]) -> list[list[int]]:
-    """[start, end) runs of trained positions."""
-    runs: list[list[int]] = []
-    for j, m in enumerate(masks):
-        if m != MASKED:
-            if runs and runs[-1][1] == j:
-                runs[-1][1] = j + 1
-            else:
-                runs.append([j, j + 1])
-    return runs
 
 
 def _round(values: list[float] | None, masks: list[int] | None = None,
@@ -122,7 +113,7 @@ def trajectory_detail(t: ScoredTrajectory, matched: bool, vocab_ids: set[int],
         "msgs": [[row.role, row.content, None if row.turn is None else row.turn.index]
                  for row in rows],
         "tok": t.tokens,
-        "tr": _runs(t.masks),
+        "tr": [[start, end] for start, end, trained in mask_runs(t.masks) if trained],
         "lp": _round(t.inference_logprobs, t.masks),
         "adv": _round(t.advantages, digits=4),
     }

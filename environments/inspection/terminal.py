@@ -30,7 +30,8 @@ from environments.inspection.data import (
 from environments.jsonl_store import ReadReport
 from environments.trajectory import ScoredTrajectory
 
-ROLE_STYLES = {"system": "magenta", "user": "green", "assistant": "bold cyan", "tool": "yellow"}
+ROLE_STYLES = {"system": "magenta", "user": "green", "assistant": "bold cyan", "tool": "yellow",
+               "sampled": "bold cyan", "context": "dim"}
 
 
 def _score(value: float | None) -> str:
@@ -58,7 +59,7 @@ def group_header(s: GroupSummary) -> Rule:
         parts.append(s.env)
     if s.item_id is not None:
         parts.append(f"item {s.item_id}")
-    parts.append(f"{len(s.outcomes)} trajectories")
+    parts.append(f"{len(s.outcomes)} trajector{'y' if len(s.outcomes) == 1 else 'ies'}")
     if s.policy_version is not None:
         parts.append(f"policy v{s.policy_version}")
     return Rule(Text(" · ".join(parts), style="bold"), align="left")
