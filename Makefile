@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test bench-api bench-rollout bench-trainer clean
+.PHONY: install test bench-api bench-rollout bench-trainer bench-report clean
 
 install: $(STAMP)
 
@@ -31,6 +31,9 @@ bench-rollout: install
 
 bench-trainer: install
 	$(PY) benchmarks/trainer_throughput.py
+
+bench-report: install
+	$(PY) benchmarks/report_scale.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -445,8 +445,10 @@ class BaseEnv:
         return asdict(self.stats)
 
     async def process(self, out: str | Path, n_groups: int) -> dict[str, Any]:
-        """Offline: write ``n_groups`` groups to the JSONL file ``out``."""
+        """Offline: write ``n_groups`` groups to the JSONL file ``out``, and its HTML report
+        next to it (``out`` with the suffix ``.html``)."""
         from environments.delivery import JSONLDelivery
+        from environments.inspection import TokenDecoder, write_report
 
         delivery = JSONLDelivery(out)
         started = time.monotonic()
@@ -454,8 +456,13 @@ class BaseEnv:
             await self.run_groups(delivery, n_groups)
         finally:
             await delivery.close()
-        return {**self.describe_stats(), "seconds": round(time.monotonic() - started, 2),
-                "out": str(out)}
+        seconds = round(time.monotonic() - started, 2)
+        # The HTML report of the whole file, next to it (``lachesis report`` does the same).
+        report = await asyncio.to_thread(
+            write_report, out, Path(out).with_suffix(".html"),
+            decoder=TokenDecoder(getattr(self.renderer, "tokenizer", None)))
+        return {**self.describe_stats(), "seconds": seconds, "out": str(out),
+                "report": str(report.path)}
 
     async def serve(self) -> dict[str, Any]:
         """Push groups to the rollout API until ``total_groups`` (or forever)."""
