@@ -5,8 +5,9 @@ Three layers make sure no process of a run outlives it:
 
 * every child is a process-group leader (``start_new_session``): stopping it signals the
   group, so e.g. vLLM's engine core or torchrun's workers go with it;
-* every child gets ``PR_SET_PDEATHSIG=SIGKILL``: if the supervisor itself is killed, the
-  kernel kills its children;
+* every command runs under a guard (:mod:`environments.run.guard`) that leads the group
+  and has a parent-death signal: if the supervisor itself is killed, the guard kills its
+  whole group, grandchildren included;
 * every process of the run inherits ``LACHESIS_RUN_ID``; at the end the supervisor (a
   child subreaper, so orphans are re-parented to it) kills whatever still carries it.
 """
@@ -18,6 +19,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +34,9 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def prctl_parent_death_signal(sig: int) -> None:
+    """The kernel sends ``sig`` to this process when its parent dies."""
+    _prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def become_subreaper() -> None:
@@ -60,9 +63,9 @@ class ChildProcess:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.command, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-                stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True,
-                preexec_fn=_die_with_parent)
+                [sys.executable, "-m", "environments.run.guard", *self.command],
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True)
         return self
 
     @property

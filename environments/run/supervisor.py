@@ -193,6 +193,7 @@ class Supervisor:
         config, run_dir = self.config, self.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         become_subreaper()
+        (run_dir / "run_id").write_text(self.run_id + "\n")  # the LACHESIS_RUN_ID of its processes
         write_yaml(run_dir / "configs" / "run.yaml", config.model_dump(mode="json"))
         model = self.prepare_model()
 
@@ -296,5 +297,11 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
         print("lachesis run: interrupted; stopping every process", file=sys.stderr, flush=True)
         return 130
     finally:
-        supervisor.stop_all()
-        signal.signal(signal.SIGTERM, previous)
+        # A second Ctrl-C must not cut the clean-up short.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            supervisor.stop_all()
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGTERM, previous)
