@@ -13,6 +13,15 @@ and, for per-turn rewards, mixes in :class:`TurnLevelRewardMixin` and implements
 ``compute_turn_rewards(item, rollout) -> list[float]`` (one per assistant turn; the last
 is the outcome). Tools are the class attribute ``tools`` (or ``get_tools(item)``).
 
+Instead of the two ``compute_*`` hooks, an env may declare weighted reward functions
+(:mod:`environments.rewards`: ``@reward_function(weight=..., per_turn=...)`` methods or a
+``reward_functions`` list), which score the rollout together with a snapshot of the env's
+per-rollout state::
+
+    new_rollout_state(item)         an object the rollout's tools share   (default: None)
+    snapshot_state(state)           what is scored, taken when the rollout
+                                    finishes                              (default: deepcopy)
+
 Everything else (group collection, scoring, delivery to the rollout API or a JSONL file,
 counters) is done here. A rollout that fails, or a reward list of the wrong length, drops
 its whole group: it is logged with the item id and counted, never replaced by a made-up
@@ -22,6 +31,7 @@ score.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import math
@@ -29,13 +39,22 @@ import os
 import random
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from environments.agent_loop import RolloutState, describe_turns, run_agent_loop
+from environments.rewards import (
+    RewardFunction,
+    combine_rewards,
+    env_reward_functions,
+    reset_rollout_state,
+    reward_metrics,
+    set_rollout_state,
+)
 from environments.settings import load_settings
 from environments.tool_parsers import get_parser
 from environments.tools import Tool
@@ -115,7 +134,7 @@ class EnvConfig(BaseModel):
 
 
 class RewardError(ValueError):
-    """An env's reward hook returned something unusable."""
+    """An env's reward hook (or reward function) raised or returned something unusable."""
 
 
 @dataclass
@@ -126,7 +145,11 @@ class EnvStats:
     groups_failed: int = 0
     """Groups dropped because a rollout raised."""
     reward_errors: int = 0
-    """Groups dropped because a reward hook returned a bad value."""
+    """Groups dropped because a reward hook or reward function raised or returned a bad
+    value."""
+    reward_function_errors: dict[str, int] = field(default_factory=dict)
+    """Rollouts failed by each reward function (by name) that raised or returned a bad
+    value."""
     trajectories: int = 0
     truncated: int = 0
     tool_calls: int = 0
@@ -134,6 +157,30 @@ class EnvStats:
     assistant_turns: int = 0
     sampled_tokens: int = 0
     not_prefix_preserving: int = 0
+
+
+def _check_reward_value(value: Any, per_turn: bool, n_turns: int
+                        ) -> tuple[float | list[float] | None, str | None]:
+    """``(value as float(s), None)`` or ``(None, what is wrong)``."""
+    def number(x: Any) -> float | None:
+        # bool, int, float and numpy scalars; not strings, None or containers
+        if isinstance(x, (bool, int, float, np.bool_, np.integer, np.floating)) \
+                and math.isfinite(float(x)):
+            return float(x)
+        return None
+
+    if per_turn:
+        if not isinstance(value, (list, tuple)) or len(value) != n_turns:
+            got = f"{len(value)} values" if isinstance(value, (list, tuple)) else repr(value)
+            return None, f"returned {got} for {n_turns} assistant turns (per_turn: one each)"
+        floats = [number(x) for x in value]
+        if any(x is None for x in floats):
+            return None, f"returned a non-finite or non-numeric value in {list(value)!r}"
+        return floats, None
+    converted = number(value)
+    if converted is None:
+        return None, f"returned {value!r}, not a finite number"
+    return converted, None
 
 
 class TurnLevelRewardMixin:
@@ -158,6 +205,10 @@ class BaseEnv:
     name: ClassVar[str] = "env"
     config_class: ClassVar[type[EnvConfig]] = EnvConfig
     tools: ClassVar[list[Tool]] = []
+    reward_functions: ClassVar[list[RewardFunction]] = []
+    """Reward functions ``(item, rollout, state)`` (see :mod:`environments.rewards`), in
+    addition to ``@reward_function`` methods. With any, they replace ``compute_reward`` /
+    ``compute_turn_rewards``."""
 
     def __init__(self, config: EnvConfig | None = None):
         self.config = config or self.config_class()
@@ -174,6 +225,16 @@ class BaseEnv:
         self._failed_in_a_row = 0
         self.last_error: str | None = None
         self._rollout_slots = asyncio.Semaphore(self.config.concurrency)
+        self._reward_functions = env_reward_functions(self)
+        if self._reward_functions:
+            cls = type(self)
+            overridden = [hook for hook, base in (
+                ("compute_reward", BaseEnv.compute_reward),
+                ("compute_turn_rewards", TurnLevelRewardMixin.compute_turn_rewards))
+                if getattr(cls, hook, base) is not base]
+            if overridden:
+                raise TypeError(f"{cls.__name__} declares reward functions and overrides "
+                                f"{overridden[0]}: use one or the other")
 
     # -- hooks ---------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -205,8 +266,23 @@ class BaseEnv:
             policy_version=lambda: self.policy_version)
 
     def compute_reward(self, item: Any, rollout: RolloutState) -> float:
-        """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin."""
-        raise NotImplementedError(f"{type(self).__name__} must implement compute_reward")
+        """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin or
+        reward functions. ``rollout.env_state`` is the snapshot of the per-rollout state."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_reward "
+                                  "(or declare reward functions)")
+
+    def new_rollout_state(self, item: Any) -> Any:
+        """The per-rollout state of a new rollout of ``item`` (may be ``async``): any
+        object, shared by that rollout's tools (:func:`environments.rewards.rollout_state`,
+        or ``@tool(state_arg=...)``). Default: ``None`` (no state)."""
+        return None
+
+    def snapshot_state(self, state: Any) -> Any:
+        """What the reward hooks see of ``state`` when the rollout has finished; taken at
+        once, before any other rollout can run. Default: ``copy.deepcopy``. Override when
+        the state cannot be deep-copied (a sandbox handle: read out what is scored) or
+        is big; it must not return an object that a later rollout will change."""
+        return copy.deepcopy(state)
 
     async def eval_items(self) -> list[Any]:
         """Items for ``evaluate()``. Default: the next ``eval_items`` training items."""
@@ -291,6 +367,8 @@ class BaseEnv:
 
     # -- scoring -------------------------------------------------------------------------
     async def _score(self, item: Any, rollout: RolloutState) -> float | list[float]:
+        if self._reward_functions:
+            return await self._score_with_functions(item, rollout)
         if isinstance(self, TurnLevelRewardMixin):
             scores = await _maybe_await(self.compute_turn_rewards(item, rollout))
             if not isinstance(scores, (list, tuple)) or len(scores) != len(rollout.turns):
@@ -303,6 +381,53 @@ class BaseEnv:
         values = scores if isinstance(scores, list) else [scores]
         if not all(math.isfinite(v) for v in values):
             raise RewardError(f"item {self.item_id(item)}: non-finite reward {scores}")
+        return scores
+
+    async def _score_with_functions(self, item: Any,
+                                    rollout: RolloutState) -> float | list[float]:
+        """Call every reward function on ``(item, rollout, rollout.env_state)``
+        (concurrently), check the values, keep them in ``rollout.reward_values`` and
+        combine them (:func:`environments.rewards.combine_rewards`)."""
+        functions = self._reward_functions
+        n_turns = len(rollout.turns)
+
+        async def call(function: RewardFunction) -> Any:
+            return await _maybe_await(function.fn(item, rollout, rollout.env_state))
+
+        results = await asyncio.gather(*(call(f) for f in functions), return_exceptions=True)
+        values: dict[str, float | list[float]] = {}
+        problems: list[tuple[str, str, BaseException | None]] = []
+        for function, result in zip(functions, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                problems.append((function.name, f"raised {type(result).__name__}: {result}",
+                                 result))
+                continue
+            value, problem = _check_reward_value(result, function.per_turn, n_turns)
+            if problem is not None:
+                problems.append((function.name, problem, None))
+            else:
+                values[function.name] = value
+        if problems:
+            for name, _, _ in problems:
+                errors = self.stats.reward_function_errors
+                errors[name] = errors.get(name, 0) + 1
+            name, problem, cause = problems[0]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise RewardError(f"item {self.item_id(item)}: reward function {name!r} "
+                              f"{problem}{more}") from cause
+        rollout.reward_values = values
+        per_turn_scores = isinstance(self, TurnLevelRewardMixin) or any(
+            f.per_turn for f in functions)
+        if per_turn_scores and n_turns == 0:
+            raise RewardError(f"item {self.item_id(item)}: per-turn scores need at least "
+                              "one assistant turn; the rollout has none")
+        scores = combine_rewards(values, functions, n_turns, per_turn_scores=per_turn_scores)
+        combined = scores if isinstance(scores, list) else [scores]
+        if not all(math.isfinite(v) for v in combined):
+            raise RewardError(f"item {self.item_id(item)}: non-finite combined reward "
+                              f"{scores} from {values}")
         return scores
 
     def rollout_metrics(self, item: Any, rollout: RolloutState,
@@ -328,14 +453,40 @@ class BaseEnv:
             metadata={"item_id": self.item_id(item), "stop": rollout.stop,
                       "prefix_preserving": rollout.prefix_preserving,
                       "turns": describe_turns(rollout),
-                      "metrics": self.rollout_metrics(item, rollout, scores)})
+                      **({"rewards": dict(rollout.reward_values)}
+                         if rollout.reward_values else {}),
+                      "metrics": {**reward_metrics(rollout.reward_values),
+                                  **self.rollout_metrics(item, rollout, scores)}})
 
     async def _rollout(self, item: Any, *, evaluation: bool = False
                        ) -> tuple[RolloutState, float | list[float]]:
-        """One rollout within the concurrency limit, scored."""
-        async with self._rollout_slots:  # (user overrides may take no `evaluation`)
-            rollout = await (self.collect_trajectory(item, evaluation=True) if evaluation
-                             else self.collect_trajectory(item))
+        """One rollout within the concurrency limit, scored.
+
+        The per-rollout state (``new_rollout_state``) is the current rollout state of this
+        task while ``collect_trajectory`` runs; its snapshot is taken as soon as it
+        returns, with no ``await`` in between, so no other rollout can change the state
+        before it is copied. Scoring then reads only the snapshot."""
+        async with self._rollout_slots:
+            state = await _maybe_await(self.new_rollout_state(item))
+            token = set_rollout_state(state)
+            try:  # (user overrides may take no `evaluation`)
+                rollout = await (self.collect_trajectory(item, evaluation=True) if evaluation
+                                 else self.collect_trajectory(item))
+                try:
+                    snapshot = self.snapshot_state(state)
+                except Exception as error:
+                    raise RuntimeError(
+                        f"item {self.item_id(item)}: snapshot_state failed ({type(error).__name__}: "
+                        f"{error}); override snapshot_state to copy what the rewards "
+                        "read") from error
+                if inspect.isawaitable(snapshot):
+                    if inspect.iscoroutine(snapshot):
+                        snapshot.close()
+                    raise TypeError("snapshot_state must be synchronous: an await would let "
+                                    "other rollouts change the state before it is copied")
+                rollout.env_state = snapshot
+            finally:
+                reset_rollout_state(token)
         return rollout, await self._score(item, rollout)
 
     async def collect_group(self, item: Any) -> ScoredGroup | None:
