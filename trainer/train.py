@@ -36,7 +36,7 @@ import torch.distributed as dist
 from environments.jsonl_store import read_groups
 from environments.trajectory import ScoredGroup
 from trainer.advantages import compute_group_advantages
-from trainer.batch import BatchError, TrainBatch, check_groups, pack
+from trainer.batch import BatchError, TrainBatch, check_groups, pack, turn_prefix_samples
 from trainer.config import TrainConfig
 from trainer.losses import policy_loss, sft_loss, token_logprobs
 
@@ -127,13 +127,14 @@ class APIBatches:
 # --------------------------------------------------------------------------------------
 def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
                   pad_id: int) -> tuple[TrainBatch | None, dict[str, float]]:
-    """Check the batch and turn it into padded tensors with per-token advantages."""
+    """Check the batch and turn it into padded tensors with per-token advantages: one row
+    per trajectory, or per assistant turn with ``samples: turn_prefix``."""
     check_groups(batch.groups, vocab_size=vocab_size, need_logprobs=True)
     trajectories, advantages = [], []
     dropped = zero_variance = 0
     rewards = []
     env_metrics: dict[str, list[float]] = {}
-    for group in batch.groups:
+    for g, group in enumerate(batch.groups):
         result = compute_group_advantages(
             group.trajectories, config.estimator, turn_advantage_coef=config.turn_advantage_coef,
             gamma=config.gamma, zero_variance=config.zero_variance)
@@ -145,10 +146,19 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
             dropped += 1
             continue
         zero_variance += result.zero_variance
-        trajectories += group.trajectories
-        advantages += result.advantages
+        if config.samples == "turn_prefix":
+            for i, (t, a) in enumerate(zip(group.trajectories, result.advantages)):
+                rows, row_advantages = turn_prefix_samples(
+                    t, a, f"group {g} ({group.group_id}, item {group.item_id}) sequence {i}")
+                trajectories += rows
+                advantages += row_advantages
+        else:
+            trajectories += group.trajectories
+            advantages += result.advantages
     stats = {"reward_mean": float(np.mean(rewards)), "groups": len(batch.groups),
              "groups_zero_variance": zero_variance, "groups_dropped": dropped,
+             "rows": len(trajectories),
+             "row_tokens": sum(len(t.tokens) for t in trajectories),
              **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
     versions = [t.policy_version for g in batch.groups for t in g.trajectories
                 if t.policy_version is not None]
