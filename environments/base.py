@@ -170,6 +170,8 @@ def _check_reward_value(value: Any, per_turn: bool, n_turns: int
         return None
 
     if per_turn:
+        if isinstance(value, np.ndarray) and value.ndim == 1:
+            value = value.tolist()
         if not isinstance(value, (list, tuple)) or len(value) != n_turns:
             got = f"{len(value)} values" if isinstance(value, (list, tuple)) else repr(value)
             return None, f"returned {got} for {n_turns} assistant turns (per_turn: one each)"

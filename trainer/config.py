@@ -39,10 +39,11 @@ class TrainConfig(BaseModel):
     gamma: float = Field(default=1.0, ge=0, le=1)
     zero_variance: Literal["zero", "drop"] = "zero"
     samples: Literal["sequence", "turn_prefix"] = "sequence"
-    """Training rows. ``sequence``: one row per trajectory, per-token advantages inside
-    it. ``turn_prefix``: one row per assistant turn ``k``, the conversation up to the end
-    of turn ``k`` trained on turn ``k``'s tokens with the estimator's turn-``k``
-    advantage (``trainer.batch.turn_prefix_samples``). Same trained tokens, each with the
+    """Training rows: sequence (one per trajectory) or turn_prefix (one per turn).
+    ``sequence``: the trajectory, per-token advantages inside it. ``turn_prefix``: row
+    ``k`` is the conversation up to the end of assistant turn ``k``, trained on turn
+    ``k``'s tokens with the estimator's turn-``k`` advantage
+    (``trainer.batch.turn_prefix_samples``). Same trained tokens, each with the
     same logprob and advantage, so with ``token_mean`` the gradient is the same; it
     differs with ``sequence_mean`` (every turn weighs as a sequence). Costs ``sum_k
     end_k`` tokens of forward/backward per trajectory instead of its length (~N times for

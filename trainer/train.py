@@ -6,7 +6,8 @@ One step:
    the step, so a crash mid-step gets them redelivered), or read whole groups from a
    JSONL file (``--data``);
 2. check it (lengths, finite numbers, masks, trainable), compute per-token advantages per
-   group with the configured estimator (env-provided ``advantages`` win);
+   group with the configured estimator (env-provided ``advantages`` win); one row per
+   trajectory, or per assistant turn with ``samples: turn_prefix``;
 3. at step 0, the alignment check: the trainer's logprobs of the sampled tokens must equal
    vLLM's recorded ones (mean absolute difference below ``alignment_tolerance``);
 4. forward/backward over micro-batches (gradients accumulate so the loss is the batch's
