@@ -1,15 +1,16 @@
 """Credit assignment on ``arithmetic_tool``: GRPO-OR, GRPO-MR, MT-GRPO and turn-RTG from
 the same warm start, with the same seeds and the same budget.
 
-    python experiments/credit_assignment.py                      # 4 estimators x 3 seeds
-    python experiments/credit_assignment.py --estimators grpo mt_grpo --seeds 0 --steps 5
+    python experiments/credit_assignment.py                      # 5 arms x 3 seeds
+    python experiments/credit_assignment.py --arms grpo mt_grpo --seeds 0 --steps 5
+    python experiments/credit_assignment.py --report-only        # table of finished runs
 
 Every run is a real ``lachesis run`` (rollout API, vLLM, env server, trainer as processes)
-started from one shared SFT warm start; the estimator and the seed are the only
-differences. The setting is one where tool use matters: the tiny model cannot compute
+started from one shared SFT warm start; the arm (advantage estimator, or turn-prefix
+samples) and the seed are the only differences. The setting is one where tool use matters: the tiny model cannot compute
 products of two-digit numbers, so a correct answer needs a working calculator call.
 
-Reported per estimator (mean and spread over seeds): tool-execution success and exact
+Reported per arm (mean and spread over seeds): tool-execution success and exact
 match of the final evaluation (sampled at the training temperature), the mean reward, and
 the first trainer step at which the batches' tool success (3-step moving average) reaches
 the threshold. Results go to ``docs/results.md`` and ``docs/credit_assignment.png``.
@@ -34,8 +35,18 @@ sys.path.insert(0, str(REPO))
 from environments.run.config import RunConfig  # noqa: E402
 from environments.run.supervisor import RunFailed, Supervisor  # noqa: E402
 
-ESTIMATORS = {"grpo": "GRPO-OR (outcome)", "grpo_merged": "GRPO-MR (summed turns)",
-              "mt_grpo": "MT-GRPO", "turn_rtg": "turn-RTG (length-robust)"}
+# arm -> (label, trainer settings)
+ARMS = {
+    "grpo": ("GRPO-OR (outcome)", {"estimator": "grpo"}),
+    "grpo_merged": ("GRPO-MR (summed turns)", {"estimator": "grpo_merged"}),
+    "mt_grpo": ("MT-GRPO", {"estimator": "mt_grpo"}),
+    "turn_rtg": ("turn-RTG (length-robust)", {"estimator": "turn_rtg"}),
+    # One row per turn prefix, each weighted as a sequence: under token_mean the rows
+    # would give exactly the gradient of one row per trajectory (README, Training).
+    "turn_prefix": ("turn-prefix samples (turn-RTG, sequence mean)",
+                    {"estimator": "turn_rtg", "samples": "turn_prefix",
+                     "aggregation": "sequence_mean"}),
+}
 
 
 def base_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,14 +67,16 @@ def warm_start(args: argparse.Namespace) -> str:
     return Supervisor(config, live=False).prepare_model()
 
 
-def one_run(args: argparse.Namespace, model: str, estimator: str, seed: int) -> dict[str, Any]:
-    name = f"{estimator}-seed{seed}"
+def one_run(args: argparse.Namespace, model: str, arm: str, seed: int, *,
+            evaluate_before: bool) -> dict[str, Any]:
+    name = f"{arm}-seed{seed}"
     run_dir = args.runs_dir / name
     if (run_dir / "summary.json").exists():  # finished earlier: reuse
         return json.loads((run_dir / "summary.json").read_text())
     values = base_config(args)
-    values.update(name=name, model=model, warm_start=None, build_tiny_model=False)
-    values["train"].update(estimator=estimator, seed=seed)
+    values.update(name=name, model=model, warm_start=None, build_tiny_model=False,
+                  evaluate_before=evaluate_before)
+    values["train"].update(**ARMS[arm][1], seed=seed)
     values["envs"][0]["settings"]["seed"] = 1000 + seed
     config = RunConfig.model_validate(values)
     config.check_sections()
@@ -109,10 +122,11 @@ def mean_sd(values: list[float]) -> str:
 def report(args: argparse.Namespace, results: dict[tuple[str, int], dict[str, Any]],
            command: str, minutes: float) -> str:
     env = "arithmetic_tool"
-    before = next(iter(results.values()))["before"][env]
+    before = next(r["before"][env] for r in results.values() if "before" in r)
     lines = [
         "# Credit assignment on `arithmetic_tool`", "",
-        f"Command: `{command}` ({minutes:.0f} minutes on this machine).", "",
+        f"Command: `{command}` (the RL runs took {minutes:.0f} minutes on this 2-core "
+        "machine).", "",
         f"Every run: the same SFT warm start ({args.warm_start_steps} steps on oracle "
         f"demonstrations), {args.steps} RL steps of 8 groups x 8 rollouts, lr {args.lr}, "
         f"evaluation on {args.eval_items} held-out items sampled at temperature 1.0. Seeds: "
@@ -122,20 +136,22 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int], dict[str, An
         f"Warm start, before RL: tool success {before['tool_success']:.3f}, exact match "
         f"{before['exact_match']:.3f}, correct number {before['correct']:.3f}, mean "
         f"outcome {before['mean_outcome']:.3f}.", "",
-        "| estimator | tool success | exact match | correct number | mean outcome | "
+        "| arm | tool success | exact match | correct number | mean outcome | "
         "steps to threshold |", "|---|---:|---:|---:|---:|---:|"]
     curves = {}
-    for estimator in args.estimators:
-        runs = [(seed, results[(estimator, seed)]) for seed in args.seeds]
+    for arm in args.arms:
+        runs = [(seed, results[(arm, seed)]) for seed in args.seeds if (arm, seed) in results]
+        if not runs:
+            continue
         after = [r["after"][env] for _, r in runs]
         reached = []
         for seed, _ in runs:
-            metrics = read_metrics(args.runs_dir / f"{estimator}-seed{seed}")
+            metrics = read_metrics(args.runs_dir / f"{arm}-seed{seed}")
             reached.append(steps_to_threshold(metrics, "env/tool_success", args.threshold))
-            curves.setdefault(estimator, []).append([m.get("env/tool_success") for m in metrics])
+            curves.setdefault(arm, []).append([m.get("env/tool_success") for m in metrics])
         reached_text = ", ".join("never" if s is None else str(s) for s in reached)
         lines.append(
-            f"| {ESTIMATORS[estimator]} | {mean_sd([a['tool_success'] for a in after])} | "
+            f"| {ARMS[arm][0]} | {mean_sd([a['tool_success'] for a in after])} | "
             f"{mean_sd([a['exact_match'] for a in after])} | "
             f"{mean_sd([a['correct'] for a in after])} | "
             f"{mean_sd([a['mean_outcome'] for a in after])} | {reached_text} |")
@@ -152,10 +168,10 @@ def plot(curves: dict[str, list[list[float | None]]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for estimator, runs in curves.items():
+    for arm, runs in curves.items():
         n = min(len(r) for r in runs)
         mean = [statistics.mean(r[i] or 0.0 for r in runs) for i in range(n)]
-        ax.plot(range(1, n + 1), mean, label=ESTIMATORS[estimator])
+        ax.plot(range(1, n + 1), mean, label=ARMS[arm][0])
     ax.set_xlabel("trainer step")
     ax.set_ylabel("tool success in the batch (mean over seeds)")
     ax.set_ylim(-0.02, 1.02)
@@ -168,31 +184,41 @@ def plot(curves: dict[str, list[list[float | None]]], out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=list(ESTIMATORS))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--warm-start-steps", type=int, default=120)
     parser.add_argument("--eval-items", type=int, default=128)
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "credit_assignment")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the report from the runs that finished; start none")
     args = parser.parse_args()
     command = "python experiments/credit_assignment.py " + shlex.join(sys.argv[1:])
-    started = time.monotonic()
-    model = warm_start(args)
     results = {}
-    for seed in args.seeds:  # seeds outermost: a cut-short experiment still compares all
-        for estimator in args.estimators:
-            print(f"== {estimator}, seed {seed}", flush=True)
-            try:
-                results[(estimator, seed)] = one_run(args, model, estimator, seed)
-            except RunFailed as error:
-                print(f"run {estimator} seed {seed} failed: {error}", file=sys.stderr)
-                return 1
+    if args.report_only:
+        for seed in args.seeds:
+            for arm in args.arms:
+                done = args.runs_dir / f"{arm}-seed{seed}" / "summary.json"
+                if done.exists():
+                    results[(arm, seed)] = json.loads(done.read_text())
+    else:
+        model = warm_start(args)
+        for seed in args.seeds:  # seeds outermost: a cut-short experiment still compares all
+            for arm in args.arms:
+                print(f"== {arm}, seed {seed}", flush=True)
+                try:  # the starting policy is measured once, by the first run
+                    results[(arm, seed)] = one_run(args, model, arm, seed,
+                                                   evaluate_before=not results)
+                except RunFailed as error:
+                    print(f"run {arm} seed {seed} failed: {error}", file=sys.stderr)
+                    return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(args, results, command.strip(),
-                               (time.monotonic() - started) / 60))
+    minutes = sum(r.get("seconds", 0.0) for r in results.values()) / 60
+    args.out.write_text(report(args, results, command.replace(" --report-only", "").strip(),
+                               minutes))
     print(args.out.read_text())
     return 0
 

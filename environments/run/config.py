@@ -80,6 +80,8 @@ class RunConfig(_Section):
     """``TrainConfig`` keys for the RL phase."""
     evaluate: bool = True
     """Evaluate every env before and after RL (its ``eval_items``, greedy by default)."""
+    evaluate_before: bool = True
+    """With ``evaluate``: also before RL (off when the starting policy was measured already)."""
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """How long the rollout API and env servers may take to come up."""
 

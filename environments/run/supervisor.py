@@ -226,7 +226,7 @@ class Supervisor:
                 "tokenizer": model, "jsonl_out": run_dir / "trajectories" / f"{env.name}.jsonl",
                 "spool_path": run_dir / "spool" / f"{env.name}.jsonl"})))
         summary: dict[str, Any] = {"run_dir": str(run_dir), "model": model}
-        if config.evaluate:
+        if config.evaluate and config.evaluate_before:
             summary["before"] = self.evaluate("before", env_yamls)
 
         train_dir = run_dir / "trainer"
