@@ -97,8 +97,9 @@ def test_a_process_that_dies_stops_the_run_with_its_log_tail(tiny_model_dir, tmp
     metrics = run_dir / "trainer" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 600, "a trainer step", run)
     rid = run_id(run_dir)
-    env_pids = [p for p in processes_of_run(rid)
-                if b"env\0serve" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in processes_of_run(rid)}
+    env_pids = [p for p, cmd in cmdlines.items()
+                if b"env\0serve" in cmd and b"environments.run.guard" not in cmd]
     assert len(env_pids) == 1
     os.kill(env_pids[0], signal.SIGKILL)
     out, err = run.communicate(timeout=120)
@@ -137,3 +138,18 @@ def test_bad_run_config_is_refused_before_anything_starts(tiny_model_dir, tmp_pa
     result = subprocess.run([sys.executable, "-m", "environments.cli", "run", str(wired)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "api_url" in result.stderr
+
+
+def test_killing_the_supervisor_outright_leaves_no_process(tiny_model_dir, tmp_path):
+    """SIGKILL gives the supervisor no chance to clean up: the guards' parent-death signal
+    takes every process group down, vLLM's engine core included."""
+    config = write_config(tmp_path, tiny_model_dir, "killed", warm_start=None)
+    run = start_run(config)
+    run_dir = tmp_path / "runs" / "killed"
+    vllm_log = run_dir / "logs" / "vllm.log"
+    wait_for(lambda: vllm_log.exists() and b"EngineCore" in vllm_log.read_bytes(), 300,
+             "vLLM's engine core to start", run)
+    rid = run_id(run_dir)
+    run.kill()
+    run.communicate(timeout=30)
+    wait_for(lambda: processes_of_run(rid) == [], 30, "the run's processes to go")

@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     code = child.wait()
     if code < 0:  # die the way the child did, so the supervisor sees the same signal
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 
