@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test bench-api bench-rollout bench-trainer clean
+.PHONY: install test demo bench-api bench-rollout bench-trainer bench-report clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q
 
+# The quickstart: tiny model, SFT warm start, MT-GRPO through the whole system (runs/quickstart/).
+demo: install
+	$(PY) -m environments.cli run configs/quickstart.yaml --fresh
+
 bench-api: install
 	$(PY) benchmarks/api_throughput.py
 
@@ -31,6 +35,9 @@ bench-rollout: install
 
 bench-trainer: install
 	$(PY) benchmarks/trainer_throughput.py
+
+bench-report: install
+	$(PY) benchmarks/report_scale.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

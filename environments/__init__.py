@@ -2,7 +2,8 @@
 (``BaseEnv``, ``TurnLevelRewardMixin``, tools) and the environments shipped with it."""
 
 from environments.agent_loop import AssistantTurn, RolloutState
-from environments.base import BaseEnv, EnvConfig, TurnLevelRewardMixin
+from environments.base import BaseEnv, EnvConfig, RewardError, TurnLevelRewardMixin
+from environments.rewards import RewardFunction, reward_function, rollout_state
 from environments.tools import Tool, ToolError, tool
 from environments.trajectory import (
     Message,
@@ -19,6 +20,8 @@ __all__ = [
     "BaseEnv",
     "EnvConfig",
     "Message",
+    "RewardError",
+    "RewardFunction",
     "RolloutState",
     "ScoredData",
     "ScoredGroup",
@@ -29,5 +32,7 @@ __all__ = [
     "TrajectoryError",
     "TrajectoryFlags",
     "TurnLevelRewardMixin",
+    "reward_function",
+    "rollout_state",
     "tool",
 ]

@@ -85,6 +85,13 @@ class RolloutState:
     extra: dict[str, Any] = field(default_factory=dict)
     """What an env records during the rollout for its reward hooks (e.g. a file the agent
     left in its sandbox); not part of the trajectory."""
+    env_state: Any = None
+    """Set by ``BaseEnv`` when the rollout finished: the snapshot of the env's per-rollout
+    state (``snapshot_state(new_rollout_state(item))`` after the tools ran), what the
+    reward hooks score."""
+    reward_values: dict[str, Any] = field(default_factory=dict)
+    """Set by ``BaseEnv`` when scored with reward functions: each function's value (a
+    float, or one per turn), by name."""
 
     @property
     def tool_errors(self) -> int:

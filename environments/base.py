@@ -13,6 +13,15 @@ and, for per-turn rewards, mixes in :class:`TurnLevelRewardMixin` and implements
 ``compute_turn_rewards(item, rollout) -> list[float]`` (one per assistant turn; the last
 is the outcome). Tools are the class attribute ``tools`` (or ``get_tools(item)``).
 
+Instead of the two ``compute_*`` hooks, an env may declare weighted reward functions
+(:mod:`environments.rewards`: ``@reward_function(weight=..., per_turn=...)`` methods or a
+``reward_functions`` list), which score the rollout together with a snapshot of the env's
+per-rollout state::
+
+    new_rollout_state(item)         an object the rollout's tools share   (default: None)
+    snapshot_state(state)           what is scored, taken when the rollout
+                                    finishes                              (default: deepcopy)
+
 Everything else (group collection, scoring, delivery to the rollout API or a JSONL file,
 counters) is done here. A rollout that fails, or a reward list of the wrong length, drops
 its whole group: it is logged with the item id and counted, never replaced by a made-up
@@ -22,6 +31,7 @@ score.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import math
@@ -29,13 +39,22 @@ import os
 import random
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from environments.agent_loop import RolloutState, describe_turns, run_agent_loop
+from environments.rewards import (
+    RewardFunction,
+    combine_rewards,
+    env_reward_functions,
+    reset_rollout_state,
+    reward_metrics,
+    set_rollout_state,
+)
 from environments.settings import load_settings
 from environments.tool_parsers import get_parser
 from environments.tools import Tool
@@ -69,6 +88,10 @@ class EnvConfig(BaseModel):
     api_token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
     env_weight: float = Field(default=1.0, gt=0)
     min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
+    max_queued_groups: int | None = Field(default=None, ge=1)
+    """Wait before starting a group while the rollout API holds this many groups (queued
+    plus this env's groups under way): keeps rollouts close to the current policy.
+    None: never wait."""
     spool_path: Path | None = None
     """Where groups wait while the API is unreachable (default runs/spool/NAME.jsonl)."""
     # inference
@@ -111,7 +134,7 @@ class EnvConfig(BaseModel):
 
 
 class RewardError(ValueError):
-    """An env's reward hook returned something unusable."""
+    """An env's reward hook (or reward function) raised or returned something unusable."""
 
 
 @dataclass
@@ -122,7 +145,11 @@ class EnvStats:
     groups_failed: int = 0
     """Groups dropped because a rollout raised."""
     reward_errors: int = 0
-    """Groups dropped because a reward hook returned a bad value."""
+    """Groups dropped because a reward hook or reward function raised or returned a bad
+    value."""
+    reward_function_errors: dict[str, int] = field(default_factory=dict)
+    """Rollouts failed by each reward function (by name) that raised or returned a bad
+    value."""
     trajectories: int = 0
     truncated: int = 0
     tool_calls: int = 0
@@ -130,6 +157,32 @@ class EnvStats:
     assistant_turns: int = 0
     sampled_tokens: int = 0
     not_prefix_preserving: int = 0
+
+
+def _check_reward_value(value: Any, per_turn: bool, n_turns: int
+                        ) -> tuple[float | list[float] | None, str | None]:
+    """``(value as float(s), None)`` or ``(None, what is wrong)``."""
+    def number(x: Any) -> float | None:
+        # bool, int, float and numpy scalars; not strings, None or containers
+        if isinstance(x, (bool, int, float, np.bool_, np.integer, np.floating)) \
+                and math.isfinite(float(x)):
+            return float(x)
+        return None
+
+    if per_turn:
+        if isinstance(value, np.ndarray) and value.ndim == 1:
+            value = value.tolist()
+        if not isinstance(value, (list, tuple)) or len(value) != n_turns:
+            got = f"{len(value)} values" if isinstance(value, (list, tuple)) else repr(value)
+            return None, f"returned {got} for {n_turns} assistant turns (per_turn: one each)"
+        floats = [number(x) for x in value]
+        if any(x is None for x in floats):
+            return None, f"returned a non-finite or non-numeric value in {list(value)!r}"
+        return floats, None
+    converted = number(value)
+    if converted is None:
+        return None, f"returned {value!r}, not a finite number"
+    return converted, None
 
 
 class TurnLevelRewardMixin:
@@ -154,12 +207,18 @@ class BaseEnv:
     name: ClassVar[str] = "env"
     config_class: ClassVar[type[EnvConfig]] = EnvConfig
     tools: ClassVar[list[Tool]] = []
+    reward_functions: ClassVar[list[RewardFunction]] = []
+    """Reward functions ``(item, rollout, state)`` (see :mod:`environments.rewards`), in
+    addition to ``@reward_function`` methods. With any, they replace ``compute_reward`` /
+    ``compute_turn_rewards``."""
 
     def __init__(self, config: EnvConfig | None = None):
         self.config = config or self.config_class()
         self.stats = EnvStats()
         self.rng = random.Random(self.config.seed)
         self.policy_version: int | None = None
+        self.queued_groups: int | None = None
+        """Groups waiting in the rollout API (``serve`` keeps it current)."""
         self.renderer = None
         self.backend = None
         self.eval_backend = None
@@ -168,6 +227,16 @@ class BaseEnv:
         self._failed_in_a_row = 0
         self.last_error: str | None = None
         self._rollout_slots = asyncio.Semaphore(self.config.concurrency)
+        self._reward_functions = env_reward_functions(self)
+        if self._reward_functions:
+            cls = type(self)
+            overridden = [hook for hook, base in (
+                ("compute_reward", BaseEnv.compute_reward),
+                ("compute_turn_rewards", TurnLevelRewardMixin.compute_turn_rewards))
+                if getattr(cls, hook, base) is not base]
+            if overridden:
+                raise TypeError(f"{cls.__name__} declares reward functions and overrides "
+                                f"{overridden[0]}: use one or the other")
 
     # -- hooks ---------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -199,8 +268,23 @@ class BaseEnv:
             policy_version=lambda: self.policy_version)
 
     def compute_reward(self, item: Any, rollout: RolloutState) -> float:
-        """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin."""
-        raise NotImplementedError(f"{type(self).__name__} must implement compute_reward")
+        """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin or
+        reward functions. ``rollout.env_state`` is the snapshot of the per-rollout state."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_reward "
+                                  "(or declare reward functions)")
+
+    def new_rollout_state(self, item: Any) -> Any:
+        """The per-rollout state of a new rollout of ``item`` (may be ``async``): any
+        object, shared by that rollout's tools (:func:`environments.rewards.rollout_state`,
+        or ``@tool(state_arg=...)``). Default: ``None`` (no state)."""
+        return None
+
+    def snapshot_state(self, state: Any) -> Any:
+        """What the reward hooks see of ``state`` when the rollout has finished; taken at
+        once, before any other rollout can run. Default: ``copy.deepcopy``. Override when
+        the state cannot be deep-copied (a sandbox handle: read out what is scored) or
+        is big; it must not return an object that a later rollout will change."""
+        return copy.deepcopy(state)
 
     async def eval_items(self) -> list[Any]:
         """Items for ``evaluate()``. Default: the next ``eval_items`` training items."""
@@ -218,6 +302,7 @@ class BaseEnv:
                           type(r).__name__, r)
         n = len(ok)
         outcomes = [t.outcome for _, t in ok]
+        names = sorted({k for _, t in ok for k in t.metadata.get("metrics", {})})
         metrics = {
             "env": self.name, "items": len(items), "failed": len(items) - n,
             "mean_outcome": sum(outcomes) / n if n else None,
@@ -225,6 +310,8 @@ class BaseEnv:
             "tool_calls_per_episode": sum(s.tool_calls for s, _ in ok) / n if n else None,
             "tool_errors_per_episode": sum(s.tool_errors for s, _ in ok) / n if n else None,
             "truncated_rate": sum(s.truncated for s, _ in ok) / n if n else None,
+            **{name: sum(t.metadata["metrics"].get(name, 0.0) for _, t in ok) / n
+               for name in names},
         }
         if self.config.eval_out is not None:
             from environments.jsonl_store import GroupWriter
@@ -282,6 +369,8 @@ class BaseEnv:
 
     # -- scoring -------------------------------------------------------------------------
     async def _score(self, item: Any, rollout: RolloutState) -> float | list[float]:
+        if self._reward_functions:
+            return await self._score_with_functions(item, rollout)
         if isinstance(self, TurnLevelRewardMixin):
             scores = await _maybe_await(self.compute_turn_rewards(item, rollout))
             if not isinstance(scores, (list, tuple)) or len(scores) != len(rollout.turns):
@@ -295,6 +384,60 @@ class BaseEnv:
         if not all(math.isfinite(v) for v in values):
             raise RewardError(f"item {self.item_id(item)}: non-finite reward {scores}")
         return scores
+
+    async def _score_with_functions(self, item: Any,
+                                    rollout: RolloutState) -> float | list[float]:
+        """Call every reward function on ``(item, rollout, rollout.env_state)``
+        (concurrently), check the values, keep them in ``rollout.reward_values`` and
+        combine them (:func:`environments.rewards.combine_rewards`)."""
+        functions = self._reward_functions
+        n_turns = len(rollout.turns)
+
+        async def call(function: RewardFunction) -> Any:
+            return await _maybe_await(function.fn(item, rollout, rollout.env_state))
+
+        results = await asyncio.gather(*(call(f) for f in functions), return_exceptions=True)
+        values: dict[str, float | list[float]] = {}
+        problems: list[tuple[str, str, BaseException | None]] = []
+        for function, result in zip(functions, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                problems.append((function.name, f"raised {type(result).__name__}: {result}",
+                                 result))
+                continue
+            value, problem = _check_reward_value(result, function.per_turn, n_turns)
+            if problem is not None:
+                problems.append((function.name, problem, None))
+            else:
+                values[function.name] = value
+        if problems:
+            for name, _, _ in problems:
+                errors = self.stats.reward_function_errors
+                errors[name] = errors.get(name, 0) + 1
+            name, problem, cause = problems[0]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise RewardError(f"item {self.item_id(item)}: reward function {name!r} "
+                              f"{problem}{more}") from cause
+        rollout.reward_values = values
+        per_turn_scores = isinstance(self, TurnLevelRewardMixin) or any(
+            f.per_turn for f in functions)
+        if per_turn_scores and n_turns == 0:
+            raise RewardError(f"item {self.item_id(item)}: per-turn scores need at least "
+                              "one assistant turn; the rollout has none")
+        scores = combine_rewards(values, functions, n_turns, per_turn_scores=per_turn_scores)
+        combined = scores if isinstance(scores, list) else [scores]
+        if not all(math.isfinite(v) for v in combined):
+            raise RewardError(f"item {self.item_id(item)}: non-finite combined reward "
+                              f"{scores} from {values}")
+        return scores
+
+    def rollout_metrics(self, item: Any, rollout: RolloutState,
+                        scores: float | list[float]) -> dict[str, float]:
+        """Numbers that describe one rollout (e.g. ``tool_success``, ``correct``): stored in
+        the trajectory's ``metadata["metrics"]``, averaged by ``evaluate`` and, per batch, by
+        the trainer. Override to report an env's own measures."""
+        return {}
 
     def to_trajectory(self, item: Any, rollout: RolloutState,
                       scores: float | list[float]) -> ScoredTrajectory:
@@ -311,14 +454,41 @@ class BaseEnv:
                                   trainable=rollout.trainable),
             metadata={"item_id": self.item_id(item), "stop": rollout.stop,
                       "prefix_preserving": rollout.prefix_preserving,
-                      "turns": describe_turns(rollout)})
+                      "turns": describe_turns(rollout),
+                      **({"rewards": dict(rollout.reward_values)}
+                         if rollout.reward_values else {}),
+                      "metrics": {**reward_metrics(rollout.reward_values),
+                                  **self.rollout_metrics(item, rollout, scores)}})
 
     async def _rollout(self, item: Any, *, evaluation: bool = False
                        ) -> tuple[RolloutState, float | list[float]]:
-        """One rollout within the concurrency limit, scored."""
-        async with self._rollout_slots:  # (user overrides may take no `evaluation`)
-            rollout = await (self.collect_trajectory(item, evaluation=True) if evaluation
-                             else self.collect_trajectory(item))
+        """One rollout within the concurrency limit, scored.
+
+        The per-rollout state (``new_rollout_state``) is the current rollout state of this
+        task while ``collect_trajectory`` runs; its snapshot is taken as soon as it
+        returns, with no ``await`` in between, so no other rollout can change the state
+        before it is copied. Scoring then reads only the snapshot."""
+        async with self._rollout_slots:
+            state = await _maybe_await(self.new_rollout_state(item))
+            token = set_rollout_state(state)
+            try:  # (user overrides may take no `evaluation`)
+                rollout = await (self.collect_trajectory(item, evaluation=True) if evaluation
+                                 else self.collect_trajectory(item))
+                try:
+                    snapshot = self.snapshot_state(state)
+                except Exception as error:
+                    raise RuntimeError(
+                        f"item {self.item_id(item)}: snapshot_state failed ({type(error).__name__}: "
+                        f"{error}); override snapshot_state to copy what the rewards "
+                        "read") from error
+                if inspect.isawaitable(snapshot):
+                    if inspect.iscoroutine(snapshot):
+                        snapshot.close()
+                    raise TypeError("snapshot_state must be synchronous: an await would let "
+                                    "other rollouts change the state before it is copied")
+                rollout.env_state = snapshot
+            finally:
+                reset_rollout_state(token)
         return rollout, await self._score(item, rollout)
 
     async def collect_group(self, item: Any) -> ScoredGroup | None:
@@ -384,6 +554,10 @@ class BaseEnv:
                 if n_groups is not None and reserved + in_progress >= n_groups:
                     await asyncio.sleep(0.05)  # enough groups under way; one may still fail
                     continue
+                limit = self.config.max_queued_groups
+                if limit is not None and (self.queued_groups or 0) + in_progress >= limit:
+                    await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
+                    continue
                 in_progress += 1
                 try:
                     item = await self.get_next_item()
@@ -400,6 +574,8 @@ class BaseEnv:
                 reserved += 1
                 group.env_id = getattr(self, "env_id", None)
                 await delivery.send(group)
+                if self.queued_groups is not None:  # until the next status poll says
+                    self.queued_groups += 1
                 delivered += 1
                 self.stats.groups_sent += 1
                 if n_groups is not None and delivered >= n_groups:
@@ -422,8 +598,10 @@ class BaseEnv:
         return asdict(self.stats)
 
     async def process(self, out: str | Path, n_groups: int) -> dict[str, Any]:
-        """Offline: write ``n_groups`` groups to the JSONL file ``out``."""
+        """Offline: write ``n_groups`` groups to the JSONL file ``out``, and its HTML report
+        next to it (``out`` with the suffix ``.html``)."""
         from environments.delivery import JSONLDelivery
+        from environments.inspection import TokenDecoder, write_report
 
         delivery = JSONLDelivery(out)
         started = time.monotonic()
@@ -431,8 +609,13 @@ class BaseEnv:
             await self.run_groups(delivery, n_groups)
         finally:
             await delivery.close()
-        return {**self.describe_stats(), "seconds": round(time.monotonic() - started, 2),
-                "out": str(out)}
+        seconds = round(time.monotonic() - started, 2)
+        # The HTML report of the whole file, next to it (``lachesis report`` does the same).
+        report = await asyncio.to_thread(
+            write_report, out, Path(out).with_suffix(".html"),
+            decoder=TokenDecoder(getattr(self.renderer, "tokenizer", None)))
+        return {**self.describe_stats(), "seconds": seconds, "out": str(out),
+                "report": str(report.path)}
 
     async def serve(self) -> dict[str, Any]:
         """Push groups to the rollout API until ``total_groups`` (or forever)."""
@@ -482,9 +665,11 @@ class BaseEnv:
     async def _poll_policy_version(self, client: Any) -> None:
         status = await client.status()
         self.policy_version = status.get("policy_version", self.policy_version)
+        self.queued_groups = status.get("queue_size", self.queued_groups)
 
-    async def _follow_policy_version(self, client: Any, interval_s: float = 2.0) -> None:
-        """Keep ``policy_version`` (recorded per turn) in step with the trainer's."""
+    async def _follow_policy_version(self, client: Any, interval_s: float = 0.5) -> None:
+        """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
+        the API's."""
         while True:
             await asyncio.sleep(interval_s)
             try:

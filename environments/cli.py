@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def _run_and_print(prog: str, coroutine) -> int:
     except (RuntimeError, ValueError, OSError) as error:
         print(f"{prog}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2, default=str))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary
+        print(json.dumps(result, indent=2, default=str))
     return 0
 
 
@@ -188,6 +190,140 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run", help="run the whole system from one YAML file (API, vLLM, envs, trainer)",
+        description="Start the rollout API, vLLM, the env servers and the trainer as "
+                    "separate processes; everything goes under runs/NAME/.")
+    p.add_argument("config", type=Path, help="run YAML (see configs/quickstart.yaml)")
+    p.add_argument("--fresh", action="store_true", help="delete runs/NAME first")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in runs/NAME (warm start and checkpoints are reused)")
+    p.add_argument("--name", help="override the run name")
+    p.set_defaults(run=_run_run)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from environments.run.config import RunConfig
+    from environments.run.supervisor import run
+
+    try:
+        config = RunConfig.load(args.config, name=args.name)
+    except (ValidationError, ValueError, LookupError, OSError) as error:
+        print(f"lachesis run: bad configuration {args.config}: {error}", file=sys.stderr)
+        return 2
+    return run(config, fresh=args.fresh, resume=args.resume)
+
+
+def _add_filter_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("filters (a group is shown when one of its trajectories matches)")
+    group.add_argument("--env", help="only groups of this env")
+    group.add_argument("--min-score", type=float, help="lowest outcome (inclusive)")
+    group.add_argument("--max-score", type=float, help="highest outcome (inclusive)")
+    group.add_argument("--flag", action="append", default=[], dest="flags",
+                       choices=["truncated", "tool-errors", "not-trainable"],
+                       help="only trajectories with this flag (repeat for several: all must hold)")
+    group.add_argument("--tokenizer", type=Path,
+                       help="HF tokenizer to decode token ids to text (default: show ids)")
+
+
+def _inspection_inputs(prog: str, args: argparse.Namespace):
+    """(Filter, TokenDecoder), or None after printing what is wrong."""
+    from environments.inspection.data import Filter, TokenDecoder
+
+    if not args.file.is_file():
+        print(f"{prog}: {args.file}: no such file", file=sys.stderr)
+        return None
+    try:
+        decoder = TokenDecoder.load(args.tokenizer)
+    except (OSError, ValueError) as error:
+        print(f"{prog}: cannot load the tokenizer {args.tokenizer}: {error}", file=sys.stderr)
+        return None
+    return Filter(env=args.env, min_score=args.min_score, max_score=args.max_score,
+                  flags=tuple(args.flags)), decoder
+
+
+def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="show scored groups of a JSONL file in the terminal",
+        description="Show the groups of a JSONL file of scored groups: messages turn by turn "
+                    "with each assistant turn's score, advantages, tokens and flags. Bad lines "
+                    "are reported with their line numbers and skipped.")
+    p.add_argument("file", type=Path, help="JSONL file, one scored group per line")
+    p.add_argument("--group", metavar="N|ID",
+                   help="show only this group: its index in the file (from 0) or its group id; "
+                        "filters do not apply")
+    p.add_argument("--stats", action="store_true",
+                   help="statistics instead of groups: outcome distribution, turns per "
+                        "trajectory, tool-error rate, per-turn score means")
+    p.add_argument("--tokens", action="store_true",
+                   help="also show every token: context dim, trained coloured by advantage")
+    p.add_argument("--limit", type=int, default=10, help="groups to show at most (0: all)")
+    p.add_argument("--max-chars", type=int, default=600,
+                   help="characters shown per message at most (0: all)")
+    _add_filter_flags(p)
+    p.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from environments.inspection.terminal import inspect_file
+
+    inputs = _inspection_inputs("lachesis inspect", args)
+    if inputs is None:
+        return 2
+    filter, decoder = inputs
+    # (piped into `head`, rich stops quietly on the broken pipe, with status 1)
+    return inspect_file(args.file, filter=filter, decoder=decoder, console=Console(),
+                        err_console=Console(stderr=True), group=args.group, limit=args.limit,
+                        stats=args.stats, tokens=args.tokens, max_chars=args.max_chars)
+
+
+def _add_report(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report", help="write a self-contained HTML report of a JSONL file",
+        description="Write one self-contained HTML file (no network needed to view it): the "
+                    "groups with their score spread, members side by side, per-turn scores, "
+                    "and a token view. Large files are streamed; when the groups do not all "
+                    "fit in --max-groups / --max-mb, a sample is embedded and the page says so.")
+    p.add_argument("file", type=Path, help="JSONL file, one scored group per line")
+    p.add_argument("-o", "--out", type=Path, help="HTML file to write (default: FILE.html)")
+    p.add_argument("--max-groups", type=int, default=1000,
+                   help="groups embedded in the page at most (default 1000)")
+    p.add_argument("--max-mb", type=float, default=100.0,
+                   help="megabytes of JSONL lines embedded in the page at most (default 100; "
+                        "the page holds them compressed, ~1/4 of that)")
+    p.add_argument("--sample", choices=["random", "first"], default="random",
+                   help="which groups to embed when not all fit (default: uniform random)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random sample")
+    p.add_argument("--title", help="page title")
+    _add_filter_flags(p)
+    p.set_defaults(run=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    import json
+
+    from environments.inspection.html_report import write_report
+
+    inputs = _inspection_inputs("lachesis report", args)
+    if inputs is None:
+        return 2
+    filter, decoder = inputs
+    try:
+        result = write_report(args.file, args.out, filter=filter, decoder=decoder,
+                              max_groups=args.max_groups, max_mb=args.max_mb,
+                              sample=args.sample, seed=args.seed, title=args.title)
+    except OSError as error:
+        print(f"lachesis report: {error}", file=sys.stderr)
+        return 1
+    for bad in result.bad_lines_list:
+        print(f"{args.file}:{bad.line_no}: {bad.message} (skipped)", file=sys.stderr)
+    print(json.dumps(result.as_dict(), indent=2))
+    return 0 if result.groups or not result.bad_lines else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["env"]:  # its flags depend on the env's config class
@@ -200,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     subparsers.add_parser("env", help="run an environment: serve (to the API), process (to "
                           "JSONL), evaluate (lachesis env --help)", add_help=False)
     _add_make_tiny_model(subparsers)
+    _add_run(subparsers)
+    _add_inspect(subparsers)
+    _add_report(subparsers)
     subparsers.add_parser("train", help="train the policy (lachesis train --help)", add_help=False)
     args = parser.parse_args(argv)
     return args.run(args)

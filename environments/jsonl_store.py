@@ -7,7 +7,9 @@ last newline), moves it to ``FILE.torn`` and truncates it away before appending,
 torn line never sits in the middle of the file. Readers skip a final line without its
 newline and report it as torn.
 
-Reading: :func:`read_groups` streams line by line (constant memory). Each line is a
+Reading: :func:`read_groups` streams line by line (constant memory);
+:func:`iter_located_groups` also gives each group's line number and byte offset, and
+:func:`read_group_at` reads one group back from its offset. Each line is a
 native :class:`ScoredGroup` or an Atropos ``ScoredData`` object (converted). A bad line
 raises :class:`BadLineError` naming its line number, or with ``skip_bad=True`` is
 recorded in ``report.bad_lines`` and reading goes on.
@@ -68,14 +70,26 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-def read_groups(path: str | Path, *, skip_bad: bool = False,
-                report: ReadReport | None = None) -> Iterator[ScoredGroup]:
-    """Stream the groups of a JSONL file."""
+@dataclass(frozen=True)
+class LocatedGroup:
+    """A group and where it sits in its file (``offset``/``size`` in bytes, newline included)."""
+
+    line_no: int
+    offset: int
+    size: int
+    group: ScoredGroup
+
+
+def iter_located_groups(path: str | Path, *, skip_bad: bool = False,
+                        report: ReadReport | None = None) -> Iterator[LocatedGroup]:
+    """Stream the groups of a JSONL file with their line numbers and byte offsets."""
     path = Path(path)
     report = report if report is not None else ReadReport()
+    offset = 0
     with path.open("rb") as f:
         for line_no, line in enumerate(f, start=1):
             report.lines = line_no
+            start, offset = offset, offset + len(line)
             if not line.endswith(b"\n"):
                 problem = BadLine(line_no, "torn final line (no newline): an interrupted write")
             elif not line.strip():
@@ -87,11 +101,25 @@ def read_groups(path: str | Path, *, skip_bad: bool = False,
                     problem = BadLine(line_no, _describe(error))
                 else:
                     report.groups += 1
-                    yield group
+                    yield LocatedGroup(line_no, start, len(line), group)
                     continue
             if not skip_bad:
                 raise BadLineError(path, problem.line_no, problem.message)
             report.bad_lines.append(problem)
+
+
+def read_groups(path: str | Path, *, skip_bad: bool = False,
+                report: ReadReport | None = None) -> Iterator[ScoredGroup]:
+    """Stream the groups of a JSONL file."""
+    for located in iter_located_groups(path, skip_bad=skip_bad, report=report):
+        yield located.group
+
+
+def read_group_at(path: str | Path, offset: int, size: int) -> ScoredGroup:
+    """The group of the line at byte ``offset`` (as given by :func:`iter_located_groups`)."""
+    with Path(path).open("rb") as f:
+        f.seek(offset)
+        return parse_group_line(f.read(size))
 
 
 def repair_torn_tail(path: str | Path) -> int:

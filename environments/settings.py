@@ -12,7 +12,7 @@ from pydantic import BaseModel
 Settings = TypeVar("Settings", bound=BaseModel)
 
 
-def load_settings(model: type[Settings], path: str | Path | None, section: str,
+def load_settings(model: type[Settings], path: str | Path | None, section: str | None,
                   overrides: dict[str, Any]) -> Settings:
     """``model``'s defaults < the YAML file at ``path`` (its top level, or its ``section:``
     mapping when it has one) < the ``overrides`` that are not None."""

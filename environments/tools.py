@@ -69,6 +69,10 @@ class Tool:
     """Run a sync function on the event loop instead of a worker thread: for cheap, pure
     functions (a calculator), where the thread hop costs more than the call (~3-6 ms per
     call measured under load, waiting for the GIL). An inline call cannot time out."""
+    state_arg: str | None = None
+    """Name of a parameter of ``function`` that receives the current rollout's state
+    (``BaseEnv.new_rollout_state``; ``None`` outside a rollout or when the env keeps
+    none). It is not part of the schema, and the model cannot set it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_PATTERN.match(self.name):
@@ -115,6 +119,10 @@ class Tool:
         return result_to_str(result)
 
     async def _run(self, kwargs: dict[str, Any]) -> Any:
+        if self.state_arg is not None:
+            from environments.rewards import rollout_state
+
+            kwargs = {**kwargs, self.state_arg: rollout_state(None)}
         try:
             if _is_async(self.function):
                 result = await self.function(**kwargs)
@@ -374,8 +382,10 @@ def parse_docstring(docstring: str | None) -> tuple[str, dict[str, str]]:
     return " ".join(summary), arguments
 
 
-def _schema_from_function(function: Callable[..., Any]) -> tuple[dict[str, Any], str]:
-    """(parameters schema, description) of ``function``; TypeError names what is wrong."""
+def _schema_from_function(function: Callable[..., Any], skip: str | None = None
+                          ) -> tuple[dict[str, Any], str]:
+    """(parameters schema, description) of ``function``, without parameter ``skip``;
+    TypeError names what is wrong."""
     label = getattr(function, "__qualname__", None) or repr(function)
     try:
         signature = inspect.signature(function)
@@ -397,7 +407,12 @@ def _schema_from_function(function: Callable[..., Any]) -> tuple[dict[str, Any],
     description, arg_docs = parse_docstring(docstring)
     properties: dict[str, Any] = {}
     required: list[str] = []
+    if skip is not None and skip not in signature.parameters:
+        raise TypeError(f"tool function {label!r}: state_arg {skip!r} is not one of its "
+                        "parameters")
     for name, parameter in signature.parameters.items():
+        if name == skip:
+            continue
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD,
                               parameter.POSITIONAL_ONLY):
             raise TypeError(f"tool function {label!r}: parameter {name!r} is "
@@ -427,10 +442,12 @@ def _schema_from_function(function: Callable[..., Any]) -> tuple[dict[str, Any],
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
          description: str | None = None, timeout_s: float | None = 10.0,
-         inline: bool = False) -> Any:
+         inline: bool = False, state_arg: str | None = None) -> Any:
     """Build a :class:`Tool` from a function's type hints and docstring.
 
-    Use as ``tool(fn)``, ``@tool`` or ``@tool(name=..., timeout_s=..., inline=...)``. The name
+    Use as ``tool(fn)``, ``@tool`` or ``@tool(name=..., timeout_s=..., inline=...,
+    state_arg=...)``. ``state_arg`` names a parameter that receives the rollout's state
+    (see :func:`environments.rewards.rollout_state`) and is left out of the schema. The name
     defaults to the function's name, the description to the docstring's first
     paragraph; a Google-style ``Args:`` section gives the parameters' descriptions.
     Parameters with a default are optional. Every parameter needs a type hint among
@@ -441,11 +458,11 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
         tool_name = name or getattr(function, "__name__", None)
         if tool_name is None:
             raise TypeError(f"tool({function!r}): it has no __name__; pass name=...")
-        parameters, doc_description = _schema_from_function(function)
+        parameters, doc_description = _schema_from_function(function, skip=state_arg)
         return Tool(name=tool_name,
                     description=doc_description if description is None else description,
                     parameters=parameters, function=function, timeout_s=timeout_s,
-                    inline=inline)
+                    inline=inline, state_arg=state_arg)
 
     return build if fn is None else build(fn)
 

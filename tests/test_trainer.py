@@ -157,15 +157,22 @@ def test_masked_tokens_get_no_gradient(vllm_server, rollouts):
     assert (grad[~predicts_trained] == 0).all() and (grad[predicts_trained] > 0).all()
 
 
-def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollouts, tmp_path):
-    """torchrun, 2 CPU processes (gloo): the weights after a step equal one process's."""
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollouts, tmp_path,
+                                                              sharding):
+    """torchrun, 2 CPU processes (gloo), full replicas or FSDP2 shards: the weights after a
+    step equal one process's (the batch of 7 leaves rank 1 a micro-batch short)."""
     import subprocess
     import sys
 
     from conftest import REPO, free_port
 
-    common = ["--model", str(vllm_server.model_dir), "--data", str(rollouts), "--batch-size", "8",
-              "--micro-batch-size", "2", "--steps", "1", "--lr", "3e-3", "--tensorboard", "false",
+    groups = [json.loads(line) for line in rollouts.read_text().splitlines()[:2]]
+    groups[1]["trajectories"] = groups[1]["trajectories"][:3]  # 7 rows: ranks get 4 and 3
+    data = tmp_path / "seven.jsonl"
+    data.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    common = ["--model", str(vllm_server.model_dir), "--data", str(data), "--batch-size", "7",
+              "--micro-batch-size", "3", "--steps", "1", "--lr", "3e-3", "--tensorboard", "false",
               "--check-alignment", "false", "--log-level", "WARNING",
               # Adam's first step is ~lr * sign(g): where g ~ 0 it turns float summation-order
               # noise into lr-sized differences. A large eps keeps the step linear in g there.
@@ -176,7 +183,8 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
     assert single.returncode == 0, single.stderr[-2000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port()), "-m", "environments.cli", "train"]
-    double = subprocess.run([*torchrun, *common, "--run-dir", str(tmp_path / "double")],
+    double = subprocess.run([*torchrun, *common, "--sharding", sharding,
+                             "--run-dir", str(tmp_path / "double")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert double.returncode == 0, double.stderr[-3000:]
     a = load_file(tmp_path / "single/checkpoints/step_000001/model.safetensors")

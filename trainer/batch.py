@@ -4,13 +4,18 @@ Conventions (shared with :func:`trainer.losses.token_logprobs` and the data cont
 position ``t`` of every ``[B, T]`` tensor describes ``tokens[t]``: ``mask[t]`` says
 whether it is trained, ``old_logprobs[t]`` is vLLM's logprob of sampling it, and
 ``advantages[t]`` its advantage. Position 0 is never trained (nothing predicts it).
+
+A row of the batch is a whole trajectory (``samples: sequence``) or, with
+``samples: turn_prefix``, one prefix of it per assistant turn (:func:`turn_prefix_samples`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory
@@ -65,6 +70,69 @@ def check_groups(groups: list[ScoredGroup], *, vocab_size: int | None = None,
 
 
 @dataclass
+class Sample:
+    """One training row that is not a whole trajectory (the fields :func:`pack` reads)."""
+
+    tokens: list[int]
+    masks: list[int]
+    """The token id where trained, ``-100`` elsewhere (the data contract's convention)."""
+    inference_logprobs: list[float] | None
+    turn: int
+    """The assistant turn whose tokens this row trains."""
+
+
+def turn_prefix_samples(trajectory: ScoredTrajectory, advantages: np.ndarray,
+                        where: str = "trajectory") -> tuple[list[Sample], list[np.ndarray]]:
+    """Expand an ``N``-turn trajectory into one training row per assistant turn.
+
+    With tokens ``x``, masks ``m``, behaviour logprobs ``mu``, per-token advantages ``A``
+    (the estimator's output for this trajectory) and turn spans ``[s_k, e_k)``, row ``k``
+    is the conversation up to the end of turn ``k``, trained on turn ``k`` only::
+
+        tokens_k     = x[0 : e_k]
+        masks_k[t]   = m[t] if s_k <= t < e_k else -100
+        mu_k         = mu[0 : e_k]
+        A_k[t]       = A[t] if s_k <= t < e_k else 0
+
+    Every built-in estimator gives one value per turn (constant on the span), so row ``k``
+    carries a single scalar: turn ``k``'s advantage under that estimator. Turns without
+    a trained token give no row. A trajectory without turn spans is one row, as is. Since
+    ``log p(x_t | x_<t)`` does not depend on the tokens after ``t``, every trained token
+    gets the same log-probability, ratio and advantage as in its whole trajectory: the
+    rows train the same tokens, each once, at the cost of re-reading the context (the
+    row lengths sum to ``sum_k e_k`` tokens instead of ``len(x)``).
+
+    Raises :class:`BatchError` if a trained token lies outside every turn span (no row
+    would train it).
+    """
+    advantages = np.asarray(advantages, dtype=np.float32)
+    spans = [(int(s), int(e)) for s, e in (trajectory.turn_spans or [])]
+    if not spans:
+        return ([Sample(list(trajectory.tokens), list(trajectory.masks),
+                        trajectory.inference_logprobs, 0)], [advantages])
+    inside = np.zeros(len(trajectory.tokens), dtype=bool)
+    for start, end in spans:
+        inside[start:end] = True
+    trained = np.asarray(trajectory.masks) != MASKED
+    outside = np.flatnonzero(trained & ~inside)
+    if outside.size:
+        raise BatchError(f"{where}: token {int(outside[0])} is trained but outside every "
+                         "turn span; samples: turn_prefix trains each token in its turn's row")
+    rows, row_advantages = [], []
+    for k, (start, end) in enumerate(spans):
+        if not trained[start:end].any():
+            continue
+        masks = [MASKED] * start + list(trajectory.masks[start:end])
+        logprobs = (None if trajectory.inference_logprobs is None
+                    else list(trajectory.inference_logprobs[:end]))
+        values = np.zeros(end, dtype=np.float32)
+        values[start:end] = advantages[start:end]
+        rows.append(Sample(list(trajectory.tokens[:end]), masks, logprobs, k))
+        row_advantages.append(values)
+    return rows, row_advantages
+
+
+@dataclass
 class TrainBatch:
     tokens: torch.Tensor        # [B, T] long, right-padded with pad_id
     mask: torch.Tensor          # [B, T] bool, trained positions
@@ -98,9 +166,10 @@ class TrainBatch:
                           lengths)
 
 
-def pack(trajectories: list[ScoredTrajectory], advantages: list, *, pad_id: int = 0,
-         with_logprobs: bool = True) -> TrainBatch:
-    """Right-pad trajectories into one :class:`TrainBatch` (``advantages``: per-token arrays)."""
+def pack(trajectories: Sequence[ScoredTrajectory | Sample], advantages: list, *,
+         pad_id: int = 0, with_logprobs: bool = True) -> TrainBatch:
+    """Right-pad trajectories (or :class:`Sample` rows) into one :class:`TrainBatch`
+    (``advantages``: per-token arrays)."""
     width = max(len(t.tokens) for t in trajectories)
     b = len(trajectories)
     tokens = torch.full((b, width), pad_id, dtype=torch.long)

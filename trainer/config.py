@@ -38,6 +38,16 @@ class TrainConfig(BaseModel):
     turn_advantage_coef: float = 1.0
     gamma: float = Field(default=1.0, ge=0, le=1)
     zero_variance: Literal["zero", "drop"] = "zero"
+    samples: Literal["sequence", "turn_prefix"] = "sequence"
+    """Training rows: sequence (one per trajectory) or turn_prefix (one per turn).
+    ``sequence``: the trajectory, per-token advantages inside it. ``turn_prefix``: row
+    ``k`` is the conversation up to the end of assistant turn ``k``, trained on turn
+    ``k``'s tokens with the estimator's turn-``k`` advantage
+    (``trainer.batch.turn_prefix_samples``). Same trained tokens, each with the
+    same logprob and advantage, so with ``token_mean`` the gradient is the same; it
+    differs with ``sequence_mean`` (every turn weighs as a sequence). Costs ``sum_k
+    end_k`` tokens of forward/backward per trajectory instead of its length (~N times for
+    N turns when the prompt dominates); ``micro_batch_size`` counts rows."""
     # loss
     clip_low: float = Field(default=0.2, ge=0)
     clip_high: float = Field(default=0.2, ge=0)
@@ -53,6 +63,10 @@ class TrainConfig(BaseModel):
     adam_eps: float = Field(default=1e-8, gt=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    sharding: Literal["auto", "replicate", "fsdp"] = "auto"
+    """Under ``torchrun``: ``fsdp`` shards parameters, gradients and optimizer state over
+    the ranks (FSDP2 ``fully_shard``); ``replicate`` keeps a full copy per rank and
+    all-reduces gradients; ``auto`` is ``fsdp`` on GPU and ``replicate`` on CPU."""
     seed: int = 0
     # vLLM weight sync
     vllm_urls: list[str] = Field(default_factory=list)

@@ -6,7 +6,8 @@ One step:
    the step, so a crash mid-step gets them redelivered), or read whole groups from a
    JSONL file (``--data``);
 2. check it (lengths, finite numbers, masks, trainable), compute per-token advantages per
-   group with the configured estimator (env-provided ``advantages`` win);
+   group with the configured estimator (env-provided ``advantages`` win); one row per
+   trajectory, or per assistant turn with ``samples: turn_prefix``;
 3. at step 0, the alignment check: the trainer's logprobs of the sampled tokens must equal
    vLLM's recorded ones (mean absolute difference below ``alignment_tolerance``);
 4. forward/backward over micro-batches (gradients accumulate so the loss is the batch's
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from environments.jsonl_store import read_groups
 from environments.trajectory import ScoredGroup
 from trainer.advantages import compute_group_advantages
-from trainer.batch import BatchError, TrainBatch, check_groups, pack
+from trainer.batch import BatchError, TrainBatch, check_groups, pack, turn_prefix_samples
 from trainer.config import TrainConfig
 from trainer.losses import policy_loss, sft_loss, token_logprobs
 
@@ -127,24 +128,43 @@ class APIBatches:
 # --------------------------------------------------------------------------------------
 def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
                   pad_id: int) -> tuple[TrainBatch | None, dict[str, float]]:
-    """Check the batch and turn it into padded tensors with per-token advantages."""
+    """Check the batch and turn it into padded tensors with per-token advantages: one row
+    per trajectory, or per assistant turn with ``samples: turn_prefix``."""
     check_groups(batch.groups, vocab_size=vocab_size, need_logprobs=True)
     trajectories, advantages = [], []
     dropped = zero_variance = 0
     rewards = []
-    for group in batch.groups:
+    env_metrics: dict[str, list[float]] = {}
+    for g, group in enumerate(batch.groups):
         result = compute_group_advantages(
             group.trajectories, config.estimator, turn_advantage_coef=config.turn_advantage_coef,
             gamma=config.gamma, zero_variance=config.zero_variance)
         rewards += [t.outcome for t in group.trajectories]
+        for t in group.trajectories:
+            for name, value in (t.metadata.get("metrics") or {}).items():
+                env_metrics.setdefault(name, []).append(float(value))
         if result is None:
             dropped += 1
             continue
         zero_variance += result.zero_variance
-        trajectories += group.trajectories
-        advantages += result.advantages
+        if config.samples == "turn_prefix":
+            for i, (t, a) in enumerate(zip(group.trajectories, result.advantages)):
+                rows, row_advantages = turn_prefix_samples(
+                    t, a, f"group {g} ({group.group_id}, item {group.item_id}) sequence {i}")
+                trajectories += rows
+                advantages += row_advantages
+        else:
+            trajectories += group.trajectories
+            advantages += result.advantages
     stats = {"reward_mean": float(np.mean(rewards)), "groups": len(batch.groups),
-             "groups_zero_variance": zero_variance, "groups_dropped": dropped}
+             "groups_zero_variance": zero_variance, "groups_dropped": dropped,
+             "rows": len(trajectories),
+             "row_tokens": sum(len(t.tokens) for t in trajectories),
+             **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
+    versions = [t.policy_version for g in batch.groups for t in g.trajectories
+                if t.policy_version is not None]
+    if versions:
+        stats["rollout_policy_version_min"] = min(versions)
     if not trajectories:
         return None, stats
     return pack(trajectories, advantages, pad_id=pad_id), stats
@@ -184,28 +204,100 @@ def init_distributed() -> tuple[int, int]:
     return (dist.get_rank() if world > 1 else 0), world
 
 
+def uses_fsdp(config: TrainConfig, world: int) -> bool:
+    if world == 1:
+        return False
+    if config.sharding == "auto":
+        return torch.cuda.is_available()
+    return config.sharding == "fsdp"
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """FSDP2: shard every transformer block (HF ``_no_split_modules``), then the root.
+
+    FSDP averages gradients over ranks; ``train_step`` scales its losses by the world size
+    to turn that back into the sum its weighting needs. (A divide factor of 1 would say it
+    directly, but gloo has no PREMUL_SUM reduction.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no transformer block class "
+                         "(_no_split_modules): cannot shard it with FSDP")
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU. Sharded: a collective every rank must call; rank 0
+    gets the weights, the others an empty dict."""
+    if not sharded:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(model, optimizer, sharded: bool) -> dict[str, Any]:
+    """The optimizer state, unsharded (a collective when sharded, as above)."""
+    if not sharded:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
+
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, optimizer, state: dict[str, Any], sharded: bool) -> None:
+    if not sharded:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_optimizer_state_dict)
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
 def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
-               ref_model=None, rank: int = 0, world: int = 1) -> dict[str, float]:
+               ref_model=None, rank: int = 0, world: int = 1,
+               sharded: bool = False) -> dict[str, float]:
     """One optimizer step over ``batch`` with gradient accumulation over micro-batches.
 
     Data parallel: every rank holds the whole batch and trains on sequences
     ``rank, rank + world, ...``; each micro-batch's loss is weighted by its share of the
     *whole* batch's trained tokens (or sequences), so summing the ranks' gradients
-    (all-reduce) gives exactly the single-process gradient.
+    (all-reduce, or FSDP's reduce-scatter) gives exactly the single-process gradient.
+    Under FSDP every rank runs the same number of forward/backward passes (each one
+    gathers the sharded weights), padding with an empty micro-batch where it has fewer.
     """
     model.train()
     optimizer.zero_grad(set_to_none=True)
     n_tokens = batch.n_tokens
     n_sequences = int((batch.mask.sum(1) > 0).sum())
+    n_rows = len(batch.lengths)
+    empty = batch.slice(slice(0, 1))
+    empty.mask = torch.zeros_like(empty.mask)
     if world > 1:
-        batch = batch.select(list(range(rank, len(batch.lengths), world)))
+        batch = batch.select(list(range(rank, n_rows, world)))
+    rows_per_rank = -(-n_rows // world) if sharded else len(batch.lengths)
     totals: dict[str, float] = {}
-    for start in range(0, len(batch.lengths), config.micro_batch_size):
-        mb = batch.slice(slice(start, start + config.micro_batch_size)).to(model.device)
+    for start in range(0, rows_per_rank, config.micro_batch_size):
+        mb = batch.slice(slice(start, start + config.micro_batch_size))
+        if len(mb.lengths) == 0:
+            mb = empty
+        mb = mb.to(model.device)
         mb_tokens = int(mb.mask.sum())
-        if mb_tokens == 0:
+        if mb_tokens == 0 and not sharded:
             continue
         logprobs = sequence_logprobs(model, mb.tokens, mb.lengths).float()
+        if mb_tokens == 0:  # keeps this rank in step with the others' collectives
+            (logprobs.sum() * 0.0).backward()
+            continue
         if config.mode == "sft":
             loss, metrics = sft_loss(logprobs, mb.mask), {}
         else:
@@ -223,24 +315,30 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
             weight = int((mb.mask.sum(1) > 0).sum()) / max(1, n_sequences)
         else:
             weight = mb_tokens / n_tokens
-        (loss * weight).backward()
+        (loss * weight * (world if sharded else 1)).backward()
         totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * weight
         for key, value in metrics.items():
             if key != "n_tokens":
                 totals[key] = totals.get(key, 0.0) + float(value) * mb_tokens / n_tokens
     if world > 1:
-        for parameter in model.parameters():
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad)
-        keys = sorted(totals)
-        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64,
+        if not sharded:
+            for parameter in model.parameters():
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                dist.all_reduce(parameter.grad)
+        # A rank with no trained tokens has no metric names: agree on them first.
+        names: list[Any] = [None] * world
+        dist.all_gather_object(names, sorted(totals))
+        keys = sorted(set().union(*names))
+        summed = torch.tensor([totals.get(k, 0.0) for k in keys], dtype=torch.float64,
                               device=next(model.parameters()).device)
         dist.all_reduce(summed)
         totals = dict(zip(keys, summed.tolist()))
     if config.max_grad_norm is not None:
-        totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                                   config.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
+        totals["grad_norm"] = float(norm)
     optimizer.step()
     totals["trained_tokens"] = n_tokens
     return totals
@@ -249,13 +347,15 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
 # --------------------------------------------------------------------------------------
 # checkpoints and metrics
 # --------------------------------------------------------------------------------------
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer,
-                    data_position: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, optimizer_state: dict[str, Any], tokenizer,
+                    data_position: int = 0, weights: dict[str, torch.Tensor] | None = None
+                    ) -> Path:
+    """``weights``: a full state dict when the model is sharded (``full_state_dict``)."""
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "step": step,
+    torch.save({"optimizer": optimizer_state, "step": step,
                 "data_position": data_position,
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                         "python": random.getstate()}}, tmp / "trainer_state.pt")
@@ -361,6 +461,9 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    sharded = uses_fsdp(config, world)
+    if sharded:
+        shard_model(model)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -368,7 +471,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                                   eps=config.adam_eps, weight_decay=config.weight_decay)
     if checkpoint is not None:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, optimizer, state["optimizer"], sharded)
         start_step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
@@ -377,6 +480,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     ref_model = None
     if config.kl_coef > 0 and config.mode == "rl":
         ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device).eval()
+        if sharded:
+            shard_model(ref_model)
     if config.mode == "sft":
         if config.data is None:
             raise ValueError("mode sft needs --data (a messages or groups JSONL)")
@@ -447,8 +552,15 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             values = dict(stats)
             if tensors is not None:
                 values.update(train_step(model, optimizer, tensors, config, ref_model=ref_model,
-                                         rank=rank, world=world))
+                                         rank=rank, world=world, sharded=sharded))
             version = step + 1
+            syncs = bool(config.vllm_urls or config.vllm_launch) and config.mode == "rl" \
+                and (version % config.sync_every == 0 or version == config.steps)
+            checkpoints = version % config.checkpoint_every == 0 or version == config.steps
+            # Sharded weights are gathered by every rank together; rank 0 receives them.
+            weights = full_state_dict(model, sharded) if sharded and (syncs or checkpoints) \
+                else None
+            optim = optimizer_state(model, optimizer, sharded) if checkpoints else None
             if not leader:  # the leader acks, syncs, logs and checkpoints
                 continue
             if isinstance(source, APIBatches) and batch.lease_id is not None:
@@ -456,9 +568,10 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             if managed is not None and await asyncio.to_thread(managed.ensure_running,
                                                                latest_weights):
                 values["vllm_restarts"] = managed.restarts
-            if sync is not None and version % config.sync_every == 0:
+            if sync is not None and syncs:
                 sync_started = time.monotonic()
-                latest_weights = await asyncio.to_thread(sync.save, model, tokenizer, version)
+                latest_weights = await asyncio.to_thread(sync.save, model, tokenizer, version,
+                                                         weights)
                 try:
                     await sync.reload(latest_weights)
                 except (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError):
@@ -475,9 +588,9 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             values["tokens_per_second"] = values.get("trained_tokens", 0) / seconds
             metrics.log(version, values)
             progress.update(version, values)
-            if version % config.checkpoint_every == 0 or version == config.steps:
-                save_checkpoint(run_dir, version, model, optimizer, tokenizer,
-                                getattr(source, "position", 0))
+            if checkpoints:
+                save_checkpoint(run_dir, version, model, optim, tokenizer,
+                                getattr(source, "position", 0), weights)
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
     finally:
         if progress is not None:

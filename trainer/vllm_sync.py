@@ -37,12 +37,14 @@ class VLLMWeightSync:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.keep = keep
 
-    def save(self, model: Any, tokenizer: Any, version: int) -> Path:
-        """Write the weights (safetensors) and tokenizer of ``version`` to disk."""
+    def save(self, model: Any, tokenizer: Any, version: int,
+             weights: dict[str, Any] | None = None) -> Path:
+        """Write the weights (safetensors) and tokenizer of ``version`` to disk
+        (``weights``: the full state dict of a sharded model)."""
         path = self.weights_dir / f"v{version:06d}"
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)

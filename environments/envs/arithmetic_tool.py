@@ -148,6 +148,22 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
             return 0.1
         return 1.0 if _ANSWER.fullmatch(text.strip()) else 0.8
 
+    def rollout_metrics(self, item: dict[str, Any], rollout: RolloutState,
+                        scores: float | list[float]) -> dict[str, float]:
+        """``tool_success``: the episode called the calculator and every call executed;
+        ``right_expression``: a call returned the answer; ``correct``: the final answer
+        holds the right number (outcome >= 0.8); ``exact_match``: it is exactly
+        ``<answer>N</answer>`` (outcome 1.0)."""
+        calls = sum(len(t.tool_calls) for t in rollout.turns)
+        outcome = scores[-1] if isinstance(scores, list) else scores
+        return {
+            "tool_success": float(calls > 0 and rollout.tool_errors == 0),
+            "right_expression": float(any(r.strip() == str(item["answer"])
+                                          for t in rollout.turns for r in t.tool_results)),
+            "correct": float(outcome >= 0.8),
+            "exact_match": float(outcome == 1.0),
+        }
+
     def compute_turn_rewards(self, item: dict[str, Any], rollout: RolloutState) -> list[float]:
         rewards = []
         for turn in rollout.turns[:-1]:

@@ -1,0 +1,147 @@
+"""Child processes of a run: started in their own process group with a log file, stopped
+with their whole group, and never left behind.
+
+Three layers make sure no process of a run outlives it:
+
+* every child is a process-group leader (``start_new_session``): stopping it signals the
+  group, so e.g. vLLM's engine core or torchrun's workers go with it;
+* every command runs under a guard (:mod:`environments.run.guard`) that leads the group
+  and has a parent-death signal: if the supervisor itself is killed, the guard kills its
+  whole group, grandchildren included;
+* every process of the run inherits ``LACHESIS_RUN_ID``; at the end the supervisor (a
+  child subreaper, so orphans are re-parented to it) kills whatever still carries it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RUN_ID_VARIABLE = "LACHESIS_RUN_ID"
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def prctl_parent_death_signal(sig: int) -> None:
+    """The kernel sends ``sig`` to this process when its parent dies."""
+    _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process instead of init."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+@dataclass
+class ChildProcess:
+    """One process of the run (``name`` is e.g. ``api``, ``vllm``, ``env-arithmetic_tool``)."""
+
+    name: str
+    command: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    stdout_path: Path | None = None
+    """Where stdout goes when it is wanted apart from the log (e.g. a JSON result)."""
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> ChildProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log, \
+                (open(self.stdout_path, "wb") if self.stdout_path else contextlib.nullcontext(log)) as out:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "environments.run.guard", *self.command],
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True)
+        return self
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n_lines: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n_lines:])
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM the process group; SIGKILL it after ``grace_s``. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.proc.pid, signal.SIGKILL)  # what is left of the group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        return self.proc.returncode
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def processes_of_run(run_id: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``LACHESIS_RUN_ID=run_id``."""
+    marker = f"{RUN_ID_VARIABLE}={run_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_leftovers(run_id: str, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL every remaining process of the run and reap the ones re-parented to us.
+    Returns the PIDs that had to be killed."""
+    killed = processes_of_run(run_id)
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while processes_of_run(run_id) and time.monotonic() < deadline:
+        reap_children()
+        time.sleep(0.1)
+    reap_children()
+    return killed
+
+
+def reap_children() -> None:
+    """Collect exited children that no Popen waits for (orphans adopted as subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

@@ -1,0 +1,323 @@
+"""`lachesis inspect` and `lachesis report`: data preparation, bad lines, bounded memory,
+the env's report, and the report in a real (headless) Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import re
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from environments.base import BaseEnv, TurnLevelRewardMixin
+from environments.agent_loop import AssistantTurn, RolloutState
+from environments.cli import main
+from environments.inspection.data import (
+    Filter,
+    TokenDecoder,
+    compute_stats,
+    select,
+    token_rows,
+    turn_rows,
+)
+from environments.inspection.html_report import write_report
+from environments.jsonl_store import ReadReport
+from environments.trajectory import ScoredGroup, ScoredTrajectory, TrajectoryFlags
+
+
+def episode(turns: list[str], scores: list[float], tool_results: list[str] | None = None, *,
+            advantages: bool = False, truncated: bool = False, tool_errors: int = 0,
+            policy_version: int = 3) -> ScoredTrajectory:
+    """A multi-turn trajectory whose token ids are the UTF-8 bytes of its text (which is
+    what the tiny model's byte-level tokenizer gives), with a few-shot assistant message in
+    the prompt, tool results between turns and, optionally, per-token advantages."""
+    prompt = "Q: reverse 'loom'. A: <answer>mool</answer>\nQ: reverse 'thread'.\n"
+    messages = [{"role": "user", "content": "Q: reverse 'loom'."},
+                {"role": "assistant", "content": "<answer>mool</answer>"},
+                {"role": "user", "content": "Q: reverse 'thread'."}]
+    tokens = list(prompt.encode())
+    masks, logprobs, spans = [-100] * len(tokens), [1.0] * len(tokens), []
+    for k, text in enumerate(turns):
+        ids = list(text.encode())
+        spans.append([len(tokens), len(tokens) + len(ids)])
+        tokens += ids
+        masks += ids
+        logprobs += [-0.25 - 0.5 * k] * len(ids)
+        messages.append({"role": "assistant", "content": text})
+        if tool_results and k < len(tool_results):
+            result = tool_results[k]
+            messages.append({"role": "tool", "content": result})
+            ids = list(f"\n[{result}]\n".encode())
+            tokens += ids
+            masks += [-100] * len(ids)
+            logprobs += [1.0] * len(ids)
+    extra = {}
+    if advantages:  # +1 on the first turn, -1 on the others, 0 on context
+        extra["advantages"] = [0.0] * len(tokens)
+        for k, (start, end) in enumerate(spans):
+            extra["advantages"][start:end] = [1.0 if k == 0 else -1.0] * (end - start)
+    return ScoredTrajectory(
+        tokens=tokens, masks=masks, inference_logprobs=logprobs, scores=scores,
+        turn_spans=spans, messages=messages, policy_version=policy_version,
+        flags=TrajectoryFlags(truncated=truncated, tool_errors=tool_errors), **extra)
+
+
+def sample_groups() -> list[ScoredGroup]:
+    good = episode(['<tool_call>{"name": "reverse"}</tool_call>', "<answer>daerht</answer>"],
+                   [0.5, 1.0], ["daerht"], advantages=True)
+    bad = episode(['<tool_call>{"nam', "<answer>thread</answer>"], [0.25, 0.0],
+                  ["Error: malformed tool call"], advantages=True, tool_errors=1)
+    cut = episode(["<answer>dae"], [0.0], truncated=True)
+    return [
+        ScoredGroup(group_id="g-first", env="reverse_word", item_id="thread",
+                    trajectories=[good, bad, cut]),
+        ScoredGroup(group_id="g-second", env="reverse_word", item_id="loom",
+                    trajectories=[episode(["<answer>mool</answer>"], [1.0]),
+                                  episode(["<answer>loom</answer>"], [0.0])]),
+        ScoredGroup(group_id="g-other-env", env="arithmetic_tool", item_id="7",
+                    trajectories=[ScoredTrajectory(tokens=[1, 2, 3], masks=[-100, 2, 3],
+                                                   scores=0.8)]),
+    ]
+
+
+def write_with_bad_lines(path: Path) -> list[ScoredGroup]:
+    """Groups on lines 1, 3 and 6; malformed JSON on 2, a contract violation on 4 (a mask
+    that is neither -100 nor the token), an empty line 5, a torn last line 7."""
+    groups = sample_groups()
+    lines = [groups[0].model_dump_json(), '{"group_id": "x", "trajectories": [',
+             groups[1].model_dump_json(),
+             '{"trajectories": [{"tokens": [1, 2], "masks": [-100, 5], "scores": 1.0}]}', "",
+             groups[2].model_dump_json()]
+    path.write_text("\n".join(lines) + "\n" + groups[0].model_dump_json()[:50])
+    return groups
+
+
+BAD_LINES = {2: "malformed JSON",
+             4: "trajectories[0]: masks[1]: is 5; must be -100 or the token id 2",
+             7: "torn final line"}
+
+
+def test_turn_and_token_rows_line_up_scores_advantages_and_messages():
+    t = sample_groups()[0].trajectories[0]
+    turns = turn_rows(t)
+    # the few-shot assistant message of the prompt is not a turn
+    assert [r.message.content for r in turns] == [
+        '<tool_call>{"name": "reverse"}</tool_call>', "<answer>daerht</answer>"]
+    assert [(r.score, r.advantage, r.policy_version, r.is_last) for r in turns] == [
+        (0.5, 1.0, 3, False), (1.0, -1.0, 3, True)]
+    assert all(r.n_trained == r.n_tokens == r.end - r.start for r in turns)
+
+    rows = token_rows(t, TokenDecoder())
+    first = rows[turns[1].start]
+    assert (first.trained, first.logprob, first.advantage, first.turn) == (True, -0.75, -1.0, 1)
+    assert first.text == f"⟨{ord('<')}⟩"  # no tokenizer: ids
+    context = rows[0]
+    assert (context.trained, context.logprob, context.turn) == (False, None, None)
+    assert sum(r.trained for r in rows) == sum(r.n_tokens for r in turns)
+
+
+def test_stats_filters_and_bad_lines_by_line_number(tmp_path):
+    path = tmp_path / "groups.jsonl"
+    write_with_bad_lines(path)
+    report = ReadReport()
+    stats = compute_stats(path, report=report)
+    assert {b.line_no: b.message for b in report.bad_lines}.keys() == BAD_LINES.keys()
+    for bad in report.bad_lines:
+        assert BAD_LINES[bad.line_no] in bad.message
+    assert (stats.groups, stats.trajectories) == (3, 6)
+    assert stats.turns == {1: 4, 2: 2}
+    assert (stats.truncated, stats.with_tool_errors, stats.tool_error_rate) == (1, 1, 1 / 6)
+    # per-turn means over the 5 trajectories scored per turn (the float-scored one is not)
+    assert stats.turn_score_means == [(0, pytest.approx(1.75 / 5), 5), (1, 0.5, 2)]
+    assert dict(stats.outcome_histogram) == {"0": 3, "0.8": 1, "1": 2}
+    assert stats.envs == {"reverse_word": 2, "arithmetic_tool": 1}
+
+    truncated = compute_stats(path, Filter(flags=("truncated",)))
+    assert (truncated.groups, truncated.trajectories) == (1, 1)
+    high = compute_stats(path, Filter(env="reverse_word", min_score=0.5))
+    assert (high.groups, high.trajectories, high.outcome_min) == (2, 2, 1.0)
+    with pytest.raises(ValueError, match="unknown flag 'slow'"):
+        Filter(flags=("slow",))
+
+
+def test_select_embeds_all_or_a_sample_within_the_limits():
+    sizes = [100] * 50
+    assert select(sizes, max_groups=50, max_bytes=10**6).method == "all"
+    first = select(sizes, max_groups=10, max_bytes=10**6, method="first")
+    assert first.indices == list(range(10)) and first.limited_by == ["max_groups"]
+    sample = select(sizes, max_groups=10, max_bytes=450, method="random", seed=1)
+    assert len(sample.indices) == 4 and sample.indices == sorted(sample.indices)
+    assert sample.limited_by == ["max_groups", "max_bytes"]
+    assert sample.indices != list(range(4))  # sampled, not the head of the file
+    assert select(sizes, max_groups=10, max_bytes=450, seed=1).indices == sample.indices
+    assert select([10**9], max_groups=5, max_bytes=10).indices == [0]  # never empty
+
+
+def test_inspect_cli_shows_turns_scores_flags_and_names_bad_lines(tmp_path, capsys):
+    path = tmp_path / "groups.jsonl"
+    write_with_bad_lines(path)
+    assert main(["inspect", str(path), "--limit", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert ("group #0 · line 1 · reverse_word · item thread · 3 trajectories · policy v3"
+            in out)
+    assert "trajectory 1 · outcome 0 · 1 tool error" in out
+    assert "trajectory 2 · outcome 0 · truncated" in out
+    first = sample_groups()[0].trajectories[0]
+    trained = sum(m != -100 for m in first.masks)
+    assert (f"2 turns · {len(first.tokens)} tokens: {trained} trained, "
+            f"{len(first.tokens) - trained} context · policy v3") in out
+    assert "score 0.5" in out and "adv +1" in out and "adv -1" in out
+    assert "turn 1 (outcome)" in out and "daerht" in out
+    assert "group #2 · line 6 · arithmetic_tool" in out
+    for line_no, message in BAD_LINES.items():
+        assert f"{path}:{line_no}: " in err and message in err
+    assert "3 bad lines skipped" in err
+
+    assert main(["inspect", str(path), "--flag", "tool-errors"]) == 0
+    out, _ = capsys.readouterr()
+    assert "trajectory 1 · outcome 0 · 1 tool error" in out
+    assert "trajectory 0 · outcome 1 (hidden by the filter)" in out
+    assert "group #1" not in out
+
+    assert main(["inspect", str(path), "--group", "g-second"]) == 0
+    out, _ = capsys.readouterr()
+    assert "group #1 · line 3" in out and "mool" in out and "group #0" not in out
+    assert main(["inspect", str(path), "--group", "9"]) == 1
+    assert "no group '9'" in capsys.readouterr().err
+
+    assert main(["inspect", str(path), "--stats"]) == 0
+    out, _ = capsys.readouterr()
+    assert "tool errors" in out and "1 of 6 trajectories (16.7%) · 1 in all" in out
+    assert "Per-turn score means" in out and "Outcome distribution" in out
+
+    assert main(["inspect", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "report_scale", REPO / "benchmarks" / "report_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_of_a_large_file_streams_with_bounded_memory(tmp_path):
+    path = tmp_path / "big.jsonl"
+    n_groups = _load_benchmark().generate(path, megabytes=24)
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        result = write_report(path, tmp_path / "big.html", max_groups=40, max_mb=3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.groups == n_groups and result.stats.trajectories == 8 * n_groups
+    assert 1 <= result.embedded <= 40 and result.selection == "random"
+    # one group at a time (~0.2 MB of JSON, a few MB as Python objects), never the file
+    assert peak < size / 4, f"peak {peak / 1e6:.1f} MB traced for a {size / 1e6:.0f} MB file"
+    page = (tmp_path / "big.html").read_text()
+    assert (f"Included: {result.embedded} of {n_groups} matching groups, a uniform random "
+            "sample (seed 0)") in page
+    assert page.count('class="g"') == result.embedded
+
+
+class ScriptedEnv(TurnLevelRewardMixin, BaseEnv):
+    """An env whose rollouts are made up (no inference server): two turns each."""
+
+    name = "scripted"
+
+    async def get_next_item(self):
+        return {"id": "item-1"}
+
+    async def collect_trajectory(self, item, *, evaluation=False):
+        state = RolloutState(messages=[{"role": "user", "content": "hi"}], tools=None)
+        state.append([1, 2], sampled=False)
+        for k in range(2):
+            start = len(state.tokens)
+            state.append([10 + k, 11 + k], sampled=True, logprobs=[-0.5, -0.5])
+            state.messages.append({"role": "assistant", "content": f"turn {k}"})
+            state.turns.append(AssistantTurn((start, start + 2), "stop", [], [], None,
+                                             f"turn {k}"))
+        return state
+
+    def compute_turn_rewards(self, item, rollout):
+        return [0.5, self.rng.random()]
+
+
+def test_env_process_writes_the_report_next_to_the_jsonl(tmp_path):
+    env = ScriptedEnv(ScriptedEnv.config_class(group_size=2))
+    out = tmp_path / "scripted.jsonl"
+    summary = asyncio.run(env.process(out, 3))
+    assert summary["report"] == str(tmp_path / "scripted.html")
+    page = Path(summary["report"]).read_text()
+    assert "All 3 matching groups are included." in page and page.count('class="g"') == 3
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("no Chromium found (install Debian's `chromium`; .ci/run does)")
+    return path
+
+
+def test_report_in_headless_chromium(tmp_path, tiny_model_dir):
+    chromium = _chromium()
+    from playwright.sync_api import sync_playwright  # the `dev` extra
+
+    path = tmp_path / "groups.jsonl"
+    write_with_bad_lines(path)
+    assert main(["report", str(path), "-o", str(tmp_path / "report.html"),
+                 "--tokenizer", str(tiny_model_dir)]) == 0
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("requestfailed", lambda r: errors.append(f"request {r.url}"))
+            html = (tmp_path / "report.html").read_text()
+            assert not re.search(r"\b(src|href)=", html)  # nothing to fetch: works offline
+            page.goto((tmp_path / "report.html").as_uri())
+            # the list, from the summary; bad lines named by line number
+            rows = page.locator("#list tbody tr")
+            assert rows.count() == 3
+            assert "All 3 matching groups are included." in page.inner_text("#included")
+            bad = page.inner_text("#bad-lines")
+            for line_no, message in BAD_LINES.items():
+                assert f"groups.jsonl:{line_no}" in bad and message in bad
+
+            rows.first.click()  # open group 0: members side by side
+            page.wait_for_selector(".member")
+            assert page.locator(".member").count() == 3
+            scores = page.locator("table.turns td.turn-score").all_inner_texts()
+            assert scores == ["0.5", "0.25", "0", "1", "0", ""]  # turn 0 row, turn 1 row
+            badges = page.locator(".member >> nth=0").locator(".turnbadge").all_inner_texts()
+            assert badges[0].startswith("turn 0 · score 0.5 · adv +1")
+            assert badges[1].startswith("turn 1 (outcome) · score 1 · adv -1")
+            assert page.locator(".member >> nth=2").locator(".flag").inner_text() == "truncated"
+
+            # the token view: trained vs context, coloured by advantage, logprob on hover
+            member = page.locator(".member >> nth=0")
+            member.locator("details.tokens summary").click()
+            view = member.locator(".tokview")
+            first = sample_groups()[0].trajectories[0]
+            trained = sum(m != -100 for m in first.masks)
+            assert view.locator("span.r").count() == trained
+            assert view.locator("span.c").count() == len(first.tokens) - trained
+            assert "daerht" in view.inner_text()  # decoded with the tokenizer
+            view.locator("span.r").first.hover()
+            tip = page.locator("#tip")
+            assert tip.is_visible()
+            assert "trained · logprob -0.25 · advantage +1 · turn 0" in tip.inner_text()
+            view.locator("span.c").first.hover()
+            assert "context (not trained)" in tip.inner_text()
+            page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert errors == []
+    assert (tmp_path / "report.png").stat().st_size > 10_000

@@ -1,0 +1,155 @@
+"""``lachesis run``: the whole system as real processes (rollout API, vLLM CPU, env server,
+trainer), a few steps long."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO
+from environments.run.processes import processes_of_run
+
+SHORT_RUN = {
+    "warm_start": {"env": "arithmetic_tool", "demonstrations": 16,
+                   "train": {"steps": 2, "batch_size": 8, "micro_batch_size": 8, "lr": 1.0e-3}},
+    "vllm": {"max_model_len": 2048, "kv_cache_gib": 1},
+    "api": {"max_staleness": 2},
+    "envs": [{"name": "arithmetic_tool", "settings": {
+        "group_size": 4, "max_turns": 2, "max_tokens_per_turn": 24, "max_queued_groups": 4,
+        "eval_items": 4, "keep_equal_score_groups": True}}],
+    "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 8, "lr": 1.0e-4,
+              "checkpoint_every": 10, "tensorboard": False},
+}
+
+
+def write_config(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
+    config = {"name": name, "runs_dir": str(tmp_path / "runs"), "model": str(model_dir),
+              **SHORT_RUN, **changes}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_run(config: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "environments.cli", "run", str(config), *extra],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_id(run_dir: Path) -> str:
+    return (run_dir / "run_id").read_text().strip()
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}: "
+                                 f"{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def test_short_run_flows_groups_syncs_weights_and_leaves_no_process(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, "short")
+    run = start_run(config)
+    out, err = run.communicate(timeout=900)
+    assert run.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "runs" / "short"
+    assert processes_of_run(run_id(run_dir)) == []
+    # every process started and logged
+    logs = {p.stem for p in (run_dir / "logs").glob("*.log")}
+    assert {"warm_start", "api", "vllm", "env-arithmetic_tool", "trainer",
+            "eval-before-arithmetic_tool", "eval-after-arithmetic_tool"} <= logs
+    # groups flowed env -> API -> trainer, written as trajectories
+    groups = [json.loads(line) for line in
+              (run_dir / "trajectories" / "arithmetic_tool.jsonl").read_text().splitlines()]
+    assert len(groups) >= 6  # 3 steps x 2 groups of 4 per batch of 8
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["sync_seconds"] > 0 for m in metrics)  # weights went into vLLM every step
+    assert "env/tool_success" in metrics[0]
+    # policy versions advanced: later groups were sampled by synced policies
+    versions = {v for g in groups for t in g["trajectories"]
+                for v in (t.get("turn_policy_versions") or [])}
+    assert max(versions) >= 1
+    api_log = (run_dir / "logs" / "api.log").read_text()
+    assert "Traceback" not in api_log
+    # the summary: before/after table and the reward curve
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["before"]["arithmetic_tool"]) >= {"tool_success", "correct", "mean_outcome"}
+    assert "| tool-call success |" in out
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+
+
+def test_a_process_that_dies_stops_the_run_with_its_log_tail(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, "dies", warm_start=None, evaluate=False,
+                          train={**SHORT_RUN["train"], "steps": 1000})
+    run = start_run(config)
+    run_dir = tmp_path / "runs" / "dies"
+    metrics = run_dir / "trainer" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 600, "a trainer step", run)
+    rid = run_id(run_dir)
+    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in processes_of_run(rid)}
+    env_pids = [p for p, cmd in cmdlines.items()
+                if b"env\0serve" in cmd and b"environments.run.guard" not in cmd]
+    assert len(env_pids) == 1
+    os.kill(env_pids[0], signal.SIGKILL)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 1
+    assert "env-arithmetic_tool exited with code -9" in err
+    assert "last lines of" in err and "env-arithmetic_tool.log" in err
+    assert processes_of_run(rid) == []
+
+
+def test_ctrl_c_during_startup_stops_everything(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, "interrupted", warm_start=None)
+    run = start_run(config)
+    run_dir = tmp_path / "runs" / "interrupted"
+    vllm_log = run_dir / "logs" / "vllm.log"
+    wait_for(lambda: vllm_log.exists() and vllm_log.stat().st_size > 2000, 300,
+             "vLLM to be starting", run)
+    rid = run_id(run_dir)
+    assert len(processes_of_run(rid)) >= 2  # the API and vLLM (and its workers)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    assert processes_of_run(rid) == []
+
+
+def test_bad_run_config_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, "bad",
+                          train={"steps": 3, "learning_rate": 0.1})
+    result = subprocess.run([sys.executable, "-m", "environments.cli", "run", str(config)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "train" in result.stderr and "learning_rate" in result.stderr
+    assert not (tmp_path / "runs" / "bad").exists()
+    wired = write_config(tmp_path, tiny_model_dir, "wired",
+                         envs=[{"name": "arithmetic_tool", "settings": {"api_url": "http://x"}}])
+    result = subprocess.run([sys.executable, "-m", "environments.cli", "run", str(wired)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "api_url" in result.stderr
+
+
+def test_killing_the_supervisor_outright_leaves_no_process(tiny_model_dir, tmp_path):
+    """SIGKILL gives the supervisor no chance to clean up: the guards' parent-death signal
+    takes every process group down, vLLM's engine core included."""
+    config = write_config(tmp_path, tiny_model_dir, "killed", warm_start=None)
+    run = start_run(config)
+    run_dir = tmp_path / "runs" / "killed"
+    vllm_log = run_dir / "logs" / "vllm.log"
+    wait_for(lambda: vllm_log.exists() and b"EngineCore" in vllm_log.read_bytes(), 300,
+             "vLLM's engine core to start", run)
+    rid = run_id(run_dir)
+    run.kill()
+    run.communicate(timeout=30)
+    wait_for(lambda: processes_of_run(rid) == [], 30, "the run's processes to go")
