@@ -285,6 +285,8 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C stops the run even where SIGINT came in ignored (e.g. a `cmd &` in a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         summary = supervisor.run()
         print(summary.get("table", ""), flush=True)
