@@ -631,8 +631,8 @@ class BaseEnv:
             api = APIDelivery(client, spool)
             copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
             await api.start()
-            await self._poll_policy_version(client)
-            poller = asyncio.create_task(self._follow_policy_version(client))
+            await self._poll_status(client)
+            poller = asyncio.create_task(self._follow_status(client))
 
             try:
                 await self.run_groups(Mirrored(api, copy), config.total_groups)
@@ -662,17 +662,17 @@ class BaseEnv:
                             config.api_url, error)
                 await asyncio.sleep(5)
 
-    async def _poll_policy_version(self, client: Any) -> None:
+    async def _poll_status(self, client: Any) -> None:
         status = await client.status()
         self.policy_version = status.get("policy_version", self.policy_version)
         self.queued_groups = status.get("queue_size", self.queued_groups)
 
-    async def _follow_policy_version(self, client: Any, interval_s: float = 0.5) -> None:
+    async def _follow_status(self, client: Any, interval_s: float = 0.5) -> None:
         """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
         the API's."""
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self._poll_policy_version(client)
+                await self._poll_status(client)
             except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
                 log.debug("policy version poll failed: %s", error)

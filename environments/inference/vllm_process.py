@@ -33,6 +33,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def signal_process_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> int | None:
+    """Stop a process started with ``start_new_session`` (its pgid is its pid) and every
+    process of its group: SIGTERM, then after ``grace_s`` SIGKILL for what is left.
+    Returns its exit code."""
+    if proc.poll() is None:
+        signal_process_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    signal_process_group(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    return proc.returncode
+
+
 class VLLMProcess:
     """Start, health-check and stop one vLLM API server."""
 
@@ -140,28 +159,12 @@ class VLLMProcess:
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after `grace` seconds. Returns the exit code."""
         proc, self.proc = self.proc, None
-        code = None
-        if proc is not None:
-            if proc.poll() is None:
-                self._signal_group(proc, signal.SIGTERM)
-                try:
-                    proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    pass
-            # Children (the engine core) may outlive the API server: kill what is left.
-            self._signal_group(proc, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            code = proc.returncode
+        # Children (the engine core) may outlive the API server: the whole group goes.
+        code = stop_process_group(proc, grace) if proc is not None else None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
         return code
-
-    @staticmethod
-    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)  # start_new_session: pgid == pid
 
     def __enter__(self) -> VLLMProcess:
         self.start()

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from environments.inference.vllm_process import stop_process_group
+
 RUN_ID_VARIABLE = "LACHESIS_RUN_ID"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -85,23 +87,7 @@ class ChildProcess:
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM the process group; SIGKILL it after ``grace_s``. Returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.proc.pid, signal.SIGKILL)  # what is left of the group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        return self.proc.returncode
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+        return None if self.proc is None else stop_process_group(self.proc, grace_s)
 
 
 def processes_of_run(run_id: str) -> list[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +101,3 @@ class RunProgress:
         outer.add_row(table)
         outer.add_row(status)
         return outer
-
-
-def wait_until(predicate, timeout_s: float, poll_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll_s)
-    return False

@@ -212,10 +212,10 @@ class Supervisor:
                              gpu_memory_utilization=v.gpu_memory_utilization,
                              served_model_name="policy", extra_args=v.args,
                              log_path=run_dir / "logs" / "vllm.log")
-        vllm_env = {k: server.environment()[k] for k in ("VLLM_SERVER_DEV_MODE",
-                                                         "VLLM_CPU_KVCACHE_SPACE")
-                    if k in server.environment()}
-        vllm = self.start("vllm", server.command(), env=vllm_env)
+        environment = server.environment()
+        vllm = self.start("vllm", server.command(), env={
+            k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE")
+            if k in environment})
         self.wait_healthy(api, api_url + "/status", config.startup_timeout_s)
         self.wait_healthy(vllm, server.url + "/health", v.startup_timeout_s)
 
