@@ -307,6 +307,7 @@ def test_report_in_headless_chromium(tmp_path, tiny_model_dir):
             view = member.locator(".tokview")
             first = sample_groups()[0].trajectories[0]
             trained = sum(m != -100 for m in first.masks)
+            view.locator("span.r").first.wait_for()  # filled when the details open
             assert view.locator("span.r").count() == trained
             assert view.locator("span.c").count() == len(first.tokens) - trained
             assert "daerht" in view.inner_text()  # decoded with the tokenizer

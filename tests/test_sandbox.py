@@ -363,10 +363,16 @@ def test_reaper_removes_what_a_killed_process_left(make_config, sandbox_root):
     worker = subprocess.Popen([sys.executable, "-c", LEAKER, config.backend, config.image or "",
                                str(sandbox_root), marker], stdout=subprocess.PIPE, env=env)
     sandbox_id = worker.stdout.readline().decode().strip()
+    # the worker's own command line carries the marker too: wait for the sandboxed
+    # python itself, so the owner dies after bwrap is up, not between fork and exec
+    def sandboxed() -> list[str]:
+        return [p for p in host_processes_mentioning(marker)
+                if p.split(": ", 1)[1].startswith("python3 -c import time")]
+
     deadline = time.monotonic() + 60
-    while not host_processes_mentioning(marker) and time.monotonic() < deadline:
+    while not sandboxed() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert host_processes_mentioning(marker)
+    assert sandboxed()
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
 
