@@ -29,11 +29,52 @@ model.
 
 from __future__ import annotations
 
+import logging
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
+from environments.agent_loop import RolloutState
+from environments.agents.runtime import (
+    LAUNCHER,
+    MOUNT,
+    REFERENCE_AGENT,
+    build_runtime,
+    runtime_env,
+)
+from environments.sandbox import SandboxError
 from environments.sandbox.tools import SandboxEnvConfig, SandboxEnvMixin
+
+log = logging.getLogger(__name__)
+
+SOCKET_DIR = "/run/lachesis"
+"""Where the proxy's socket directory appears inside sandboxes."""
+AGENT_PORT = 8765
+"""The loopback port of the model endpoint inside sandboxes."""
+
+
+class AgentError(RuntimeError):
+    """The agent run cannot be scored (it hung, crashed, or never called the model)."""
+
+
+@dataclass
+class AgentStats:
+    runs: int = 0
+    timeouts: int = 0
+    """Agents killed at ``agent_timeout_s`` (their rollouts failed)."""
+    crashes: int = 0
+    """Agents that exited non-zero without a proxy limit (their rollouts failed)."""
+    no_model_calls: int = 0
+    limit_exits: int = 0
+    """Agents that stopped because the proxy refused a request for a limit (scored,
+    flagged truncated)."""
+    new_segments: int = 0
+    """Requests whose history did not extend the recorded one."""
+    refused_requests: int = 0
 
 
 class BlackBoxEnvConfig(SandboxEnvConfig):
@@ -47,6 +88,11 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     rollout is flagged truncated."""
     max_token_length: int = Field(default=8192, ge=8)
     """Tokens per trajectory segment at most (prompt included)."""
+    sandbox_cpu_time_s: int = Field(default=600, ge=1)
+    """CPU seconds per process (the agent is one long-lived process)."""
+    sandbox_memory_mb: int = Field(default=2048, ge=16)
+    agent_env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables of the agent (e.g. ``AGENT_STREAM: "1"``)."""
 
 
 class BlackBoxEnvMixin(SandboxEnvMixin):
@@ -54,15 +100,128 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
 
     config: BlackBoxEnvConfig
 
+    def __init__(self, config: BlackBoxEnvConfig | None = None):
+        super().__init__(config)
+        self.agent_stats = AgentStats()
+        self.proxy = None
+        self._socket_dir: Path | None = None
+        self._runtime: Path | None = None
+
     def agent_task(self, item: Any) -> str:
         """The task text handed to the agent (environment variable ``LACHESIS_TASK``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement agent_task")
 
     def agent_command(self, item: Any) -> list[str]:
-        """The agent's command line inside the sandbox (run in ``/workspace``)."""
-        raise NotImplementedError
+        """The agent's command line inside the sandbox (run in ``/workspace``). Default:
+        the reference agent under the sandbox's ``python3``."""
+        return ["python3", REFERENCE_AGENT]
 
     def sandbox_image(self, item: Any) -> str | None:
         """docker: the image of ``item``'s sandbox (default: ``sandbox_image`` of the
         config)."""
         return self.config.sandbox_image
+
+    # -- machinery -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect to vLLM (``BaseEnv.start``), build the agent runtime, start the proxy."""
+        from environments.inference.backends import VLLMBackend
+        from environments.inference.proxy import InterceptionProxy
+
+        await super().start()
+        if not isinstance(self.backend, VLLMBackend):
+            raise ValueError("black-box envs record tokens from vLLM: set inference: vllm")
+        self._runtime = build_runtime()
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="lachesis-proxy-"))
+        self._socket_dir.chmod(0o755)
+        c = self.config
+        self.proxy = InterceptionProxy(
+            self.backend, self.parser, max_turns=c.max_turns,
+            max_token_length=c.max_token_length, max_tokens_per_turn=c.max_tokens_per_turn,
+            model_name=self._pool.model or "policy", policy_version=lambda: self.policy_version)
+        await self.proxy.start(unix_path=self._socket_dir / "proxy.sock")
+        log.info("interception proxy on %s and %s", self.proxy.url, self.proxy.unix_path)
+
+    async def close(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.close()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        await super().close()
+
+    def _agent_launch(self, item: Any, rollout: Any) -> tuple[list[str], dict[str, str],
+                                                               dict[str, str]]:
+        """(command, environment, mounts) of one agent run."""
+        proxy = self.proxy
+        mounts = {str(self._runtime): MOUNT}
+        if self.config.sandbox_backend == "unsafe_subprocess":  # host network, host paths
+            command, base_url, mounts = [], proxy.base_url(rollout), {}
+            env = {"PYTHONPATH": str(self._runtime / "site"), "PYTHONDONTWRITEBYTECODE": "1"}
+            agent = [a.replace(MOUNT, str(self._runtime)) for a in self.agent_command(item)]
+        else:
+            mounts[str(self._socket_dir)] = SOCKET_DIR
+            command = ["python3", LAUNCHER, "--listen", str(AGENT_PORT),
+                       "--socket", f"{SOCKET_DIR}/proxy.sock", "--"]
+            base_url = proxy.base_url(rollout, f"http://127.0.0.1:{AGENT_PORT}")
+            env = runtime_env()
+            agent = self.agent_command(item)
+        env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": rollout.token,
+                    "OPENAI_MODEL": proxy.model_name, "LACHESIS_TASK": self.agent_task(item),
+                    **self.config.agent_env})
+        return command + agent, env, mounts
+
+    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> RolloutState:
+        """One agent run in a fresh sandbox, its model calls recorded by the proxy."""
+        item_id = self.item_id(item)
+        rollout = self.proxy.open_rollout(self.eval_backend if evaluation else self.backend)
+        command, env, mounts = self._agent_launch(item, rollout)
+        finished = False
+        try:
+            async with await self.new_sandbox(image=self.sandbox_image(item),
+                                              ro_mounts=mounts) as box:
+                await self.prepare_sandbox(item, box)
+                self.agent_stats.runs += 1
+                try:
+                    result = await box.exec(command, timeout_s=self.config.agent_timeout_s,
+                                            env=env)
+                except SandboxError:
+                    self.sandbox_stats.sandbox_failures += 1
+                    raise
+                state = await self.proxy.finish_rollout(rollout)
+                finished = True
+                self._check_run(item_id, rollout, state, result)
+                await self.finish_sandbox(item, box, state)
+        finally:
+            if not finished:
+                await self.proxy.finish_rollout(rollout)
+        return state
+
+    def _check_run(self, item_id: str, rollout: Any, state: RolloutState, result: Any) -> None:
+        """Record the run; raise :class:`AgentError` when it must not be scored."""
+        stats = self.agent_stats
+        stats.new_segments += len(rollout.segments) - 1 if rollout.segments else 0
+        stats.refused_requests += rollout.refused
+        state.extra["agent"] = {"exit_code": result.exit_code, "seconds": round(result.duration_s, 2),
+                                "timed_out": result.timed_out, "requests": rollout.requests,
+                                "refused": rollout.refused, "limit": rollout.limit,
+                                "stdout_tail": result.stdout[-2000:],
+                                "stderr_tail": result.stderr[-2000:]}
+        if rollout.failure is not None:
+            raise AgentError(f"item {item_id}: inference failed during the agent run: "
+                             f"{rollout.failure}")
+        if result.timed_out:
+            stats.timeouts += 1
+            raise AgentError(f"item {item_id}: the agent ran past agent_timeout_s "
+                             f"({self.config.agent_timeout_s:g} s) and was killed")
+        if not state.turns:
+            stats.no_model_calls += 1
+            raise AgentError(f"item {item_id}: the agent exited ({result.exit_code}) without "
+                             f"calling the model; stderr: {result.stderr[-500:].strip()!r}")
+        if result.exit_code != 0:
+            if rollout.limit is None:
+                stats.crashes += 1
+                raise AgentError(f"item {item_id}: the agent exited with {result.exit_code}; "
+                                 f"stderr: {result.stderr[-500:].strip()!r}")
+            stats.limit_exits += 1
+
+    def describe_stats(self) -> dict[str, Any]:
+        return {**super().describe_stats(), "agent": asdict(self.agent_stats)}

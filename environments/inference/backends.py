@@ -30,7 +30,12 @@ class VLLMBackend:
         self.stop_token_ids = stop_token_ids or renderer.stop_token_ids
 
     async def generate(self, state: RolloutState, max_tokens: int) -> GeneratedTurn:
-        completion = await self.pool.complete(state.tokens, max_tokens=max_tokens,
+        return await self.generate_from(state.tokens, max_tokens)
+
+    async def generate_from(self, token_ids: list[int], max_tokens: int) -> GeneratedTurn:
+        """One assistant turn continuing ``token_ids`` (which end with the generation
+        prompt)."""
+        completion = await self.pool.complete(token_ids, max_tokens=max_tokens,
                                               sampling=self.sampling)
         ids = completion.token_ids
         # vLLM includes the stop token in token_ids. The chat template's end-of-turn token

@@ -108,6 +108,10 @@ class SandboxConfig(BaseModel):
     """bwrap: host paths visible read-only (symlinks such as /bin -> usr/bin are recreated
     as symlinks; missing paths are skipped). Nothing else of the host is visible: /etc is
     a made-up one (passwd, group, hosts), /tmp a private tmpfs, /proc the sandbox's own."""
+    ro_mounts: dict[str, str] = Field(default_factory=dict)
+    """Host directories mounted read-only into the sandbox: ``{host path: sandbox path}``
+    (bwrap and docker; e.g. an agent's runtime, the interception proxy's socket
+    directory). unsafe_subprocess cannot remap paths and refuses them."""
     image: str | None = None
     """docker: the image (default: the one ``python -m environments.sandbox build-image``
     makes)."""

@@ -171,6 +171,8 @@ class BwrapSandbox(Sandbox):
                 args += ["--symlink", os.readlink(path), path]
             elif os.path.exists(path):
                 args += ["--ro-bind", path, path]
+        for host, inside in self.config.ro_mounts.items():
+            args += ["--ro-bind", host, inside]
         return args + [
             "--ro-bind", str(self.dir / "etc"), "/etc",
             "--proc", "/proc", "--dev", "/dev",

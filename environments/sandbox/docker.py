@@ -129,7 +129,9 @@ class DockerSandbox(Sandbox):
                 user=f"{SANDBOX_UID}:{SANDBOX_UID}", working_dir=WORKSPACE,
                 network_mode=c.docker_network if c.network else "none",
                 read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                volumes={volume.name: {"bind": WORKSPACE, "mode": "rw"}},
+                volumes={volume.name: {"bind": WORKSPACE, "mode": "rw"},
+                         **{host: {"bind": inside, "mode": "ro"}
+                            for host, inside in c.ro_mounts.items()}},
                 tmpfs={"/tmp": "size=64m,mode=1777,exec"},
                 mem_limit=f"{c.memory_mb}m", memswap_limit=f"{c.memory_mb}m",
                 pids_limit=c.max_processes, nano_cpus=int(c.docker_cpus * 1e9),

@@ -162,10 +162,11 @@ class SandboxEnvMixin:
         """Take what the reward needs out of the sandbox (into ``rollout.extra``)."""
 
     # -- machinery -------------------------------------------------------------------------
-    async def new_sandbox(self) -> Sandbox:
-        """A sandbox with this env's settings (counted)."""
+    async def new_sandbox(self, **overrides: Any) -> Sandbox:
+        """A sandbox with this env's settings, and ``overrides`` of
+        :class:`SandboxConfig` fields (e.g. ``image``); counted."""
         try:
-            box = await create_sandbox(self.config.sandbox_config())
+            box = await create_sandbox(self.config.sandbox_config().model_copy(update=overrides))
         except SandboxError:
             self.sandbox_stats.sandbox_failures += 1
             raise

@@ -35,6 +35,9 @@ class UnsafeSubprocessSandbox(BwrapSandbox):
         if not self.config.allow_unsafe:
             raise SandboxUsageError("backend unsafe_subprocess runs commands without any "
                                     "isolation; set allow_unsafe: true to use it")
+        if self.config.ro_mounts:
+            raise SandboxUsageError("backend unsafe_subprocess cannot mount directories "
+                                    f"(ro_mounts: {sorted(self.config.ro_mounts)})")
         self._prlimit = shutil.which("prlimit")
         if self._prlimit is None:
             raise SandboxError("prlimit (util-linux) is not installed")

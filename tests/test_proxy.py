@@ -1,0 +1,177 @@
+"""The interception proxy on the real vLLM server, driven by the real `openai` client:
+exact tokens, history edits as new segments, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from environments.inference.backends import VLLMBackend
+from environments.inference.chat_template import ChatRenderer
+from environments.inference.proxy import InterceptionProxy, normalize_message
+from environments.inference.vllm_client import VLLMServerPool
+from environments.tool_parsers import get_parser
+from environments.trajectory import MASKED
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+START = [{"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "What is 12 * 7?"}]
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(vllm_server, **limits):
+    """A proxy on the session's vLLM server; ``sampled`` collects vLLM's completions."""
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(vllm_server.model_dir))
+    pool = VLLMServerPool([vllm_server.url], vllm_server.model_name)
+    await pool.start()
+    sampled = []
+    complete = pool.complete
+
+    async def spy(prompt_ids, **kwargs):
+        completion = await complete(prompt_ids, **kwargs)
+        sampled.append((list(prompt_ids), completion))
+        return completion
+
+    pool.complete = spy
+    backend = VLLMBackend(pool, renderer, {"temperature": 1.0})
+    settings = {"max_turns": 4, "max_token_length": 1024, "max_tokens_per_turn": 24, **limits}
+    proxy = InterceptionProxy(backend, get_parser("hermes"), model_name=vllm_server.model_name,
+                              policy_version=lambda: 7, **settings)
+    await proxy.start()
+    try:
+        yield proxy, renderer, sampled
+    finally:
+        await proxy.close()
+        await pool.close()
+
+
+def client_for(proxy, rollout, **kwargs):
+    return openai.AsyncOpenAI(base_url=proxy.base_url(rollout), api_key=rollout.token,
+                              max_retries=0, **kwargs)
+
+
+def echo(message) -> dict:
+    """The assistant message as an agent sends it back."""
+    return message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
+
+
+def test_recorded_tokens_are_exactly_what_vllm_sampled_over_turns_and_streaming(vllm_server):
+    async def main():
+        async with running_proxy(vllm_server) as (proxy, renderer, sampled):
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            first = (await client.chat.completions.create(
+                model="tiny", messages=START, tools=TOOLS)).choices[0].message
+            history = START + [echo(first)]
+            follow_up = [{"role": "user", "content": "Check it again."}]
+            content = ""
+            async for chunk in await client.chat.completions.create(
+                    model="tiny", messages=history + follow_up, tools=TOOLS, stream=True):
+                if chunk.choices:
+                    content += chunk.choices[0].delta.content or ""
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return renderer, sampled, first, history, follow_up, content, state
+
+    renderer, sampled, first, history, follow_up, streamed, state = asyncio.run(main())
+    assert len(sampled) == len(state.turns) == 2
+    (prompt1, c1), (prompt2, c2) = sampled
+    # the token sequence is the framework's own: prompt, turn, continuation, turn
+    assert prompt1 == renderer.prompt_ids(START, TOOLS)
+    stopped = bool(c1.token_ids) and c1.token_ids[-1] in renderer.stop_token_ids
+    continuation = renderer.continuation(
+        START + [{"role": "assistant", "content": renderer.decode(
+            c1.token_ids[:-1] if stopped else c1.token_ids)}],
+        follow_up, TOOLS, ended_with_eos=stopped)
+    assert prompt2 == prompt1 + c1.token_ids + continuation.token_ids
+    assert state.tokens == prompt2 + c2.token_ids
+    for turn, completion in zip(state.turns, (c1, c2)):
+        start, end = turn.span
+        assert state.tokens[start:end] == completion.token_ids
+        assert state.masks[start:end] == completion.token_ids
+        assert state.logprobs[start:end] == completion.logprobs  # exactly, not approximately
+        assert turn.policy_version == 7
+    trained = {i for t in state.turns for i in range(*t.span)}
+    assert all(m == MASKED for i, m in enumerate(state.masks) if i not in trained)
+    # what the agent was told is the decoded sampled text (tool calls, if any, parsed out)
+    parsed = get_parser("hermes").parse(state.turns[1].text)
+    assert streamed == (parsed.content if parsed.calls else state.turns[1].text)
+    if not first.tool_calls:
+        assert (first.content or "") == state.turns[0].text
+    assert state.extra["segment_starts"] == []
+
+
+def test_an_edited_history_starts_a_new_segment_instead_of_retokenizing(vllm_server):
+    async def main():
+        async with running_proxy(vllm_server) as (proxy, renderer, sampled):
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            first = (await client.chat.completions.create(
+                model="tiny", messages=START)).choices[0].message
+            # the agent summarises: it drops the system prompt and rewrites the question
+            edited = [{"role": "user", "content": "Earlier: asked 12 * 7."}, echo(first),
+                      {"role": "user", "content": "Answer now."}]
+            await client.chat.completions.create(model="tiny", messages=edited)
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return renderer, sampled, edited, state, rollout
+
+    renderer, sampled, edited, state, rollout = asyncio.run(main())
+    [start] = state.extra["segment_starts"]
+    assert start == state.turns[0].span[1]  # right after the first turn
+    assert "messages[0]" in state.extra["segments"][1]["reason"]
+    # the new segment is the edited conversation rendered afresh, then the sampled turn
+    second_prompt = renderer.prompt_ids([normalize_message(m, i).rendered
+                                         for i, m in enumerate(edited)])
+    assert sampled[1][0] == second_prompt == state.tokens[start:state.turns[1].span[0]]
+    assert all(m == MASKED for m in state.masks[start:state.turns[1].span[0]])
+    assert state.tokens[state.turns[1].span[0]:] == sampled[1][1].token_ids
+
+
+def test_requests_are_refused_for_a_wrong_token_unknown_or_finished_rollouts_and_limits(vllm_server):
+    async def main():
+        async with running_proxy(vllm_server, max_turns=1) as (proxy, renderer, sampled):
+            rollout = proxy.open_rollout()
+            url = proxy.base_url(rollout) + "/chat/completions"
+            body = {"model": "tiny", "messages": START}
+            results = {}
+            async with aiohttp.ClientSession() as http:
+                async def post(target, token, payload):
+                    async with http.post(target, json=payload,
+                                         headers={"Authorization": f"Bearer {token}"}) as r:
+                        return r.status, await r.json()
+
+                results["wrong token"] = await post(url, rollout.token[:-1] + "x", body)
+                results["no token"] = await post(url, "", body)
+                results["unknown"] = await post(url.replace(rollout.id, "0" * 32),
+                                                rollout.token, body)
+                results["n=2"] = await post(url, rollout.token, {**body, "n": 2})
+                results["image"] = await post(url, rollout.token, {**body, "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+                assert not sampled and not rollout.state.tokens  # nothing recorded
+                results["ok"] = await post(url, rollout.token, body)
+                results["over max_turns"] = await post(url, rollout.token, body)
+                state = await proxy.finish_rollout(rollout)
+                results["finished"] = await post(url, rollout.token, body)
+            return results, state
+
+    results, state = asyncio.run(main())
+    assert results["wrong token"][0] == results["no token"][0] == 401
+    assert results["unknown"][0] == results["finished"][0] == 404
+    assert results["n=2"][0] == 400 and "n:" in results["n=2"][1]["error"]["message"]
+    assert results["image"][0] == 400 and "messages[0].content[0]" in \
+        results["image"][1]["error"]["message"]
+    assert results["ok"][0] == 200
+    assert results["over max_turns"][0] == 400
+    assert results["over max_turns"][1]["error"]["code"] == "max_turns_exceeded"
+    assert len(state.turns) == 1 and state.truncated and state.stop == "max_turns"
+    json.dumps(results)  # the errors are plain JSON bodies
