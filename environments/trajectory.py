@@ -8,7 +8,10 @@ produced it, with:
 * ``inference_logprobs``: the behaviour policy's logprob per token, ``1.0`` at masked
   positions;
 * ``scores``: a float, or one float per assistant turn (the last one is the outcome),
-  with ``turn_spans`` giving each assistant turn's ``[start, end)`` token range.
+  with ``turn_spans`` giving each assistant turn's ``[start, end)`` token range;
+* ``segment_starts`` (optional): where the rollout's context was rebuilt (an agent that
+  edited or dropped earlier messages), so ``tokens`` is the concatenation of independent
+  contexts; the trainer scores the whole trajectory but trains each segment as its own row.
 
 A :class:`ScoredGroup` holds the ``group_size`` trajectories sampled for one item. It
 converts losslessly to and from Atropos's parallel-list ``ScoredData`` form
@@ -22,6 +25,7 @@ not match tokens[2] (1024)``.
 
 from __future__ import annotations
 
+import bisect
 import uuid
 from typing import Any, Literal
 
@@ -56,8 +60,13 @@ def check_sequence(
     turn_scores: list[float] | None = None,
     turn_spans: list[list[int]] | None = None,
     turn_policy_versions: list[int] | None = None,
+    segment_starts: list[int] | None = None,
 ) -> None:
     """Check the shape rules of one sequence; raise :class:`TrajectoryError` on the first.
+
+    ``segment_starts`` must be strictly increasing, each in ``(0, n_tokens)``, and no turn
+    span may cross one (``start < s < end``); that the token at each segment start is
+    masked is checked by :meth:`ScoredTrajectory.check`, which has the masks.
 
     Works on lengths, not on the arrays themselves, so the rollout API can apply exactly
     the same rules to a body it has not decoded into Python lists. ``index`` is the
@@ -86,6 +95,8 @@ def check_sequence(
                     where, f"starts at {start}, before the previous turn ends ({previous_end})"
                     " (spans must be ordered and non-overlapping)")
             previous_end = end
+    if segment_starts is not None:
+        _check_segment_starts(index, n_tokens, segment_starts, turn_spans)
     if turn_scores is not None:
         if turn_spans is None:
             raise TrajectoryError(_name("turn_spans", index),
@@ -102,6 +113,28 @@ def check_sequence(
             raise TrajectoryError(
                 _name("turn_policy_versions", index),
                 f"{len(turn_policy_versions)} versions for {n_spans} turn spans")
+
+
+def _check_segment_starts(index: int | None, n_tokens: int, segment_starts: list[int],
+                          turn_spans: list[list[int]] | None) -> None:
+    previous = 0
+    for k, start in enumerate(segment_starts):
+        where = f"{_name('segment_starts', index)}[{k}]"
+        if not 0 < start < n_tokens:
+            raise TrajectoryError(
+                where, f"{start} is not inside the {n_tokens} tokens (must be in (0, {n_tokens}))")
+        if start <= previous:
+            raise TrajectoryError(
+                where, f"{start} does not come after the previous segment start ({previous})"
+                " (segment starts must be strictly increasing)")
+        previous = start
+    for j, (span_start, span_end) in enumerate(turn_spans or []):
+        inside = bisect.bisect_right(segment_starts, span_start)
+        if inside < len(segment_starts) and segment_starts[inside] < span_end:
+            raise TrajectoryError(
+                f"{_name('segment_starts', index)}[{inside}]",
+                f"{segment_starts[inside]} falls inside {_name('turn_spans', index)}[{j}] "
+                f"[{span_start}, {span_end}) (a turn lies within one segment)")
 
 
 def field_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
@@ -173,6 +206,15 @@ class ScoredTrajectory(BaseModel):
     """Weight version that generated the first sampled tokens."""
     turn_policy_versions: list[int] | None = None
     """Weight version per assistant turn, when it changed during the rollout."""
+    segment_starts: list[int] | None = None
+    """Token positions where a new, independent context begins: the tokens before a
+    segment start are not part of what the model saw for the tokens after it (the agent
+    rebuilt its conversation, e.g. edited or dropped earlier messages), so ``tokens`` is
+    the concatenation of the segments. Strictly increasing, each in ``(0, len(tokens))``;
+    no turn span crosses one, and the token at each is masked (nothing in its context
+    predicts it). Scores, spans and advantages stay in whole-trajectory coordinates: the
+    trajectory is one member of its group; the trainer trains each segment as its own
+    row. ``None``: one context."""
     flags: TrajectoryFlags = Field(default_factory=TrajectoryFlags)
     overrides: dict[str, Any] | None = None
     """Atropos per-sequence overrides, kept as they are."""
@@ -198,12 +240,19 @@ class ScoredTrajectory(BaseModel):
             turn_scores=self.scores if isinstance(self.scores, list) else None,
             turn_spans=self.turn_spans,
             turn_policy_versions=self.turn_policy_versions,
+            segment_starts=self.segment_starts,
         )
         for j, (token, mask) in enumerate(zip(self.tokens, self.masks)):
             if mask != MASKED and mask != token:
                 raise TrajectoryError(
                     f"{_name('masks', index)}[{j}]",
                     f"is {mask}; must be {MASKED} or the token id {token}")
+        for k, start in enumerate(self.segment_starts or []):
+            if self.masks[start] != MASKED:
+                raise TrajectoryError(
+                    f"{_name('segment_starts', index)}[{k}]",
+                    f"token {start} begins a new context, so nothing predicts it; it must be "
+                    f"masked ({MASKED}), but masks[{start}] is {self.masks[start]}")
 
     @property
     def outcome(self) -> float:
@@ -290,6 +339,7 @@ class ScoredGroup(BaseModel):
             turn_spans=column("turn_spans"),
             policy_versions=column("policy_version"),
             turn_policy_versions=column("turn_policy_versions"),
+            segment_starts=column("segment_starts"),
             flags=None if all(f == default_flags for f in flags) else flags,
             trajectory_metadata=None if not any(metadata) else metadata,
             metadata=self.metadata or None,
@@ -317,6 +367,7 @@ class ScoredGroup(BaseModel):
                 messages=at(sd.messages, i),
                 policy_version=at(sd.policy_versions, i),
                 turn_policy_versions=at(sd.turn_policy_versions, i),
+                segment_starts=at(sd.segment_starts, i),
                 flags=at(sd.flags, i) or TrajectoryFlags(),
                 overrides=at(sd.overrides, i),
                 metadata=at(sd.trajectory_metadata, i) or {},
@@ -364,6 +415,7 @@ class ScoredData(BaseModel):
     turn_spans: list[list[list[int]] | None] | None = None
     policy_versions: list[int | None] | None = None
     turn_policy_versions: list[list[int] | None] | None = None
+    segment_starts: list[list[int] | None] | None = None
     flags: list[TrajectoryFlags] | None = None
     trajectory_metadata: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
@@ -381,6 +433,7 @@ class ScoredData(BaseModel):
                 turn_scores=self.turn_scores,
                 turn_spans=self.turn_spans,
                 turn_policy_versions=self.turn_policy_versions,
+                segment_starts=self.segment_starts,
                 per_sequence={"messages": self.messages, "overrides": self.overrides,
                               "policy_versions": self.policy_versions, "flags": self.flags,
                               "trajectory_metadata": self.trajectory_metadata},
@@ -405,6 +458,7 @@ def check_parallel_lists(
     turn_scores: list[list[float] | None] | None,
     turn_spans: list | None,
     turn_policy_versions: list | None,
+    segment_starts: list | None,
     per_sequence: dict[str, list | None],
 ) -> None:
     """The data-contract rules for a group in parallel-list form, on lengths only.
@@ -418,7 +472,8 @@ def check_parallel_lists(
         "masks": n_masks, "scores": scores, "inference_logprobs": n_logprobs,
         "advantages": n_advantages, "ref_logprobs": n_ref_logprobs,
         "turn_scores": turn_scores, "turn_spans": turn_spans,
-        "turn_policy_versions": turn_policy_versions, **per_sequence,
+        "turn_policy_versions": turn_policy_versions, "segment_starts": segment_starts,
+        **per_sequence,
     }
     for field, values in lists.items():
         if values is not None and len(values) != n:
@@ -440,6 +495,7 @@ def check_parallel_lists(
             turn_scores=sequence_turn_scores,
             turn_spans=at(turn_spans, i),
             turn_policy_versions=at(turn_policy_versions, i),
+            segment_starts=at(segment_starts, i),
         )
         if sequence_turn_scores is not None and scores[i] != sequence_turn_scores[-1]:
             raise TrajectoryError(

@@ -92,6 +92,8 @@ def test_odd_group_sizes_still_make_exact_batches():
     (b'{"tokens": [[1, "x"]], "masks": [[1, 2]], "scores": [1]}', 422, "tokens[0]"),
     (b'{"tokens": [[1, 2]], "masks": [[1, 2]], "scores": [1], "turn_scores": [[1]], '
      b'"turn_spans": [[[0, 9]]]}', 422, "turn_spans[0][0]"),
+    (b'{"tokens": [[1, 2, 3]], "masks": [[-100, 2, 3]], "scores": [1], "turn_scores": [[1]], '
+     b'"turn_spans": [[[1, 3]]], "segment_starts": [[2]]}', 422, "segment_starts[0][0]"),
     (b"[1, 2]", 422, "body"),
 ])
 def test_bad_input_is_refused_with_the_field_and_nothing_is_stored(body, status, field):

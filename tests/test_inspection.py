@@ -198,6 +198,21 @@ def test_inspect_cli_shows_turns_scores_flags_and_names_bad_lines(tmp_path, caps
     assert "missing.jsonl: no such file" in capsys.readouterr().err
 
 
+def test_segmented_trajectory_loads_and_shows_where_a_segment_starts(tmp_path, capsys):
+    from environments.jsonl_store import GroupWriter, read_groups
+
+    t = ScoredTrajectory(tokens=[1, 2, 3, 4, 9, 5, 6, 7],
+                         masks=[-100, -100, 3, 4, -100, -100, 6, 7],
+                         scores=[0.5, 1.0], turn_spans=[[2, 4], [6, 8]], segment_starts=[4])
+    assert [(r.segment, r.new_segment) for r in turn_rows(t)] == [(0, False), (1, True)]
+    path = tmp_path / "groups.jsonl"
+    with GroupWriter(path) as writer:
+        writer.append(ScoredGroup(group_id="seg", trajectories=[t]))
+    assert list(read_groups(path))[0].trajectories[0] == t
+    assert main(["inspect", str(path)]) == 0
+    assert "new segment 1" in capsys.readouterr().out
+
+
 def _load_benchmark():
     spec = importlib.util.spec_from_file_location(
         "report_scale", REPO / "benchmarks" / "report_scale.py")

@@ -31,11 +31,50 @@ def base(**changes):
     ({"scores": math.nan}, "finite"),
     ({"inference_logprobs": [1.0, 1.0, -math.inf, -0.2, -0.3]}, "finite"),
     ({"tokens": [], "masks": [], "inference_logprobs": []}, "tokens: must not be empty"),
+    # segment starts: inside (0, n), strictly increasing, between turns, on a masked token
+    ({"segment_starts": [5]}, "segment_starts[0]: 5 is not inside the 5 tokens"),
+    ({"segment_starts": [0]}, "segment_starts[0]: 0 is not inside the 5 tokens"),
+    ({"masks": [-100, -100, 7, -100, 9], "segment_starts": [3, 1]},
+     "segment_starts[1]: 1 does not come after the previous segment start (3)"),
+    ({"masks": [-100, -100, 7, -100, 9], "segment_starts": [3, 3]},
+     "segment_starts[1]: 3 does not come after the previous segment start (3)"),
+    ({"masks": [-100, -100, 7, -100, 9], "scores": [1.0], "turn_spans": [[2, 5]],
+      "segment_starts": [3]}, "segment_starts[0]: 3 falls inside turn_spans[0] [2, 5)"),
+    ({"segment_starts": [3]}, "segment_starts[0]: token 3 begins a new context, so nothing "
+                              "predicts it; it must be masked (-100), but masks[3] is 8"),
 ])
 def test_trajectory_validation_names_field_and_index(changes, message):
     with pytest.raises(ValidationError) as error:
         ScoredTrajectory(**base(**changes))
     assert message in str(error.value)
+
+
+def segmented_group() -> ScoredGroup:
+    """Two members; the first rebuilt its context at token 5 (a second prompt, turn 1)."""
+    return ScoredGroup(group_id="seg", trajectories=[
+        ScoredTrajectory(tokens=[1, 2, 3, 4, 9, 5, 6, 7],
+                         masks=[-100, -100, 3, 4, -100, -100, 6, 7],
+                         inference_logprobs=[1.0, 1.0, -0.1, -0.2, 1.0, 1.0, -0.3, -0.4],
+                         scores=[0.5, 1.0], turn_spans=[[2, 4], [6, 8]], segment_starts=[4]),
+        ScoredTrajectory(tokens=[1, 2, 3, 4], masks=[-100, -100, 3, 4],
+                         inference_logprobs=[1.0, 1.0, -0.1, -0.2], scores=[0.0],
+                         turn_spans=[[2, 4]]),
+    ])
+
+
+def test_segment_starts_are_accepted_and_round_trip():
+    group = segmented_group()
+    wire = group.to_scored_data()
+    assert wire.segment_starts == [[4], None]
+    raw = wire.model_dump_json().encode()
+    decode_group(raw)  # the rollout API's fast validator accepts it
+    assert ScoredGroup.from_scored_data(orjson.loads(raw)) == group
+    body = orjson.loads(raw)
+    body["segment_starts"] = [[4], [3]]  # inside the only turn of sequence 1
+    with pytest.raises(WireError) as error:
+        decode_group(orjson.dumps(body))
+    assert error.value.field == "segment_starts[1][0]"
+    assert "3 falls inside turn_spans[1][0] [2, 4)" in error.value.message
 
 
 def test_group_errors_name_the_sequence():
@@ -115,6 +154,12 @@ def _bodies():
     yield bad(flags=[{"truncated": "yes"}, {}])
     yield bad(group_id="")
     yield bad(tokens=[])
+    segmented = segmented_group().to_scored_data().model_dump(mode="json")
+    yield segmented
+    yield {**segmented, "segment_starts": [[4]]}
+    yield {**segmented, "segment_starts": [[8], None]}
+    yield {**segmented, "segment_starts": [[5, 4], None]}
+    yield {**segmented, "segment_starts": [[3], None]}
     yield {"masks": [[1]], "scores": [1.0]}
 
 

@@ -7,13 +7,16 @@ whether it is trained, ``old_logprobs[t]`` is vLLM's logprob of sampling it, and
 
 A row of the batch is a whole trajectory (``samples: sequence``) or, with
 ``samples: turn_prefix``, one prefix of it per assistant turn (:func:`turn_prefix_samples`).
+A trajectory with ``segment_starts`` (several independent contexts) gets its advantages
+on the whole trajectory, then gives one row per segment, or per turn within each segment
+(:func:`segment_samples`): no row ever joins two contexts.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -45,6 +48,10 @@ def check_trajectory(t: ScoredTrajectory, where: str, *, vocab_size: int | None 
             raise BatchError(f"{where}: masks[{i}] is {mask}, neither -100 nor the token {token}")
     if t.masks and t.masks[0] != MASKED:
         raise BatchError(f"{where}: the first token is marked trained; nothing predicts it")
+    for start in t.segment_starts or []:
+        if not 0 < start < n or t.masks[start] != MASKED:
+            raise BatchError(f"{where}: segment start {start} is not a masked token; it begins "
+                             "a new context, so nothing predicts it")
     if vocab_size is not None:
         bad = next((i for i, x in enumerate(t.tokens) if not 0 <= x < vocab_size), None)
         if bad is not None:
@@ -77,8 +84,83 @@ class Sample:
     masks: list[int]
     """The token id where trained, ``-100`` elsewhere (the data contract's convention)."""
     inference_logprobs: list[float] | None
-    turn: int
-    """The assistant turn whose tokens this row trains."""
+    turn: int | None = None
+    """The assistant turn whose tokens this row trains; ``None`` when it trains all the
+    turns of its tokens (a segment row of :func:`segment_samples`)."""
+    start: int = 0
+    """Position of the row's first token in its trajectory."""
+    segment: int = 0
+    """The trajectory's segment (context) the row comes from (see ``segment_starts``)."""
+
+
+def _segments(trajectory: ScoredTrajectory) -> list[tuple[int, int]]:
+    bounds = [0, *(trajectory.segment_starts or []), len(trajectory.tokens)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def segment_samples(trajectory: ScoredTrajectory, advantages: np.ndarray
+                    ) -> tuple[list[Sample], list[np.ndarray]]:
+    """Split a trajectory into one training row per segment (independent context).
+
+    With ``segment_starts`` ``b_1 < ... < b_{S-1}`` (and ``b_0 = 0``, ``b_S = len(x)``),
+    row ``j`` is segment ``j`` alone, as the model saw it::
+
+        tokens_j = x[b_j : b_{j+1}]      masks_j = m[b_j : b_{j+1}]
+        mu_j     = mu[b_j : b_{j+1}]     A_j     = A[b_j : b_{j+1}]
+
+    where ``A`` are the per-token advantages computed on the *whole* trajectory (one
+    group member, one score list over all its turns). No row holds tokens of two
+    segments, so no token is trained in a context the model did not see. The token at
+    each segment start is masked (the data contract), so the rows train exactly the
+    trajectory's trained tokens, each once; a segment without a trained token gives no
+    row. A trajectory without segment starts is one row, as is.
+    """
+    advantages = np.asarray(advantages, dtype=np.float32)
+    if not trajectory.segment_starts:
+        return ([Sample(list(trajectory.tokens), list(trajectory.masks),
+                        trajectory.inference_logprobs)], [advantages])
+    logprobs = trajectory.inference_logprobs
+    rows, row_advantages = [], []
+    for j, (start, end) in enumerate(_segments(trajectory)):
+        masks = list(trajectory.masks[start:end])
+        if all(m == MASKED for m in masks):
+            continue
+        rows.append(Sample(list(trajectory.tokens[start:end]), masks,
+                           None if logprobs is None else list(logprobs[start:end]),
+                           start=start, segment=j))
+        row_advantages.append(advantages[start:end])
+    return rows, row_advantages
+
+
+def _turn_prefix_rows(row: Sample, advantages: np.ndarray,
+                      spans: list[tuple[int, tuple[int, int]]] | None,
+                      where: str) -> tuple[list[Sample], list[np.ndarray]]:
+    """Turn-prefix rows of one context ``row`` (see :func:`turn_prefix_samples`);
+    ``spans``: ``(turn, (start, end))`` of the turns inside it, in the row's coordinates
+    (``None``: the trajectory has no turn spans, the row is kept whole)."""
+    if spans is None:
+        return [replace(row, turn=0)], [advantages]
+    inside = np.zeros(len(row.tokens), dtype=bool)
+    for _, (start, end) in spans:
+        inside[start:end] = True
+    trained = np.asarray(row.masks) != MASKED
+    outside = np.flatnonzero(trained & ~inside)
+    if outside.size:
+        raise BatchError(f"{where}: token {row.start + int(outside[0])} is trained but "
+                         "outside every turn span; samples: turn_prefix trains each token "
+                         "in its turn's row")
+    rows, row_advantages = [], []
+    for turn, (start, end) in spans:
+        if not trained[start:end].any():
+            continue
+        masks = [MASKED] * start + list(row.masks[start:end])
+        logprobs = None if row.inference_logprobs is None else list(row.inference_logprobs[:end])
+        values = np.zeros(end, dtype=np.float32)
+        values[start:end] = advantages[start:end]
+        rows.append(Sample(list(row.tokens[:end]), masks, logprobs, turn,
+                           start=row.start, segment=row.segment))
+        row_advantages.append(values)
+    return rows, row_advantages
 
 
 def turn_prefix_samples(trajectory: ScoredTrajectory, advantages: np.ndarray,
@@ -102,33 +184,22 @@ def turn_prefix_samples(trajectory: ScoredTrajectory, advantages: np.ndarray,
     rows train the same tokens, each once, at the cost of re-reading the context (the
     row lengths sum to ``sum_k e_k`` tokens instead of ``len(x)``).
 
+    With ``segment_starts``, the expansion happens within each segment
+    (:func:`segment_samples`): turn ``k`` of segment ``[b, b')`` gives the row
+    ``x[b : e_k]``, trained on turn ``k`` only (without turn spans: one row per segment).
+
     Raises :class:`BatchError` if a trained token lies outside every turn span (no row
     would train it).
     """
-    advantages = np.asarray(advantages, dtype=np.float32)
-    spans = [(int(s), int(e)) for s, e in (trajectory.turn_spans or [])]
-    if not spans:
-        return ([Sample(list(trajectory.tokens), list(trajectory.masks),
-                        trajectory.inference_logprobs, 0)], [advantages])
-    inside = np.zeros(len(trajectory.tokens), dtype=bool)
-    for start, end in spans:
-        inside[start:end] = True
-    trained = np.asarray(trajectory.masks) != MASKED
-    outside = np.flatnonzero(trained & ~inside)
-    if outside.size:
-        raise BatchError(f"{where}: token {int(outside[0])} is trained but outside every "
-                         "turn span; samples: turn_prefix trains each token in its turn's row")
+    spans = [(k, (int(s), int(e))) for k, (s, e) in enumerate(trajectory.turn_spans or [])]
     rows, row_advantages = [], []
-    for k, (start, end) in enumerate(spans):
-        if not trained[start:end].any():
-            continue
-        masks = [MASKED] * start + list(trajectory.masks[start:end])
-        logprobs = (None if trajectory.inference_logprobs is None
-                    else list(trajectory.inference_logprobs[:end]))
-        values = np.zeros(end, dtype=np.float32)
-        values[start:end] = advantages[start:end]
-        rows.append(Sample(list(trajectory.tokens[:end]), masks, logprobs, k))
-        row_advantages.append(values)
+    for segment, segment_advantages in zip(*segment_samples(trajectory, advantages)):
+        end = segment.start + len(segment.tokens)
+        inside = None if not spans else [(k, (s - segment.start, e - segment.start))
+                                         for k, (s, e) in spans if segment.start <= s and e <= end]
+        more_rows, more_advantages = _turn_prefix_rows(segment, segment_advantages, inside, where)
+        rows += more_rows
+        row_advantages += more_advantages
     return rows, row_advantages
 
 

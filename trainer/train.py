@@ -7,7 +7,8 @@ One step:
    JSONL file (``--data``);
 2. check it (lengths, finite numbers, masks, trainable), compute per-token advantages per
    group with the configured estimator (env-provided ``advantages`` win); one row per
-   trajectory, or per assistant turn with ``samples: turn_prefix``;
+   trajectory (per segment, when it has ``segment_starts``), or per assistant turn with
+   ``samples: turn_prefix``;
 3. at step 0, the alignment check: the trainer's logprobs of the sampled tokens must equal
    vLLM's recorded ones (mean absolute difference below ``alignment_tolerance``);
 4. forward/backward over micro-batches (gradients accumulate so the loss is the batch's
@@ -37,7 +38,14 @@ import torch.distributed as dist
 from environments.jsonl_store import read_groups
 from environments.trajectory import ScoredGroup
 from trainer.advantages import compute_group_advantages
-from trainer.batch import BatchError, TrainBatch, check_groups, pack, turn_prefix_samples
+from trainer.batch import (
+    BatchError,
+    TrainBatch,
+    check_groups,
+    pack,
+    segment_samples,
+    turn_prefix_samples,
+)
 from trainer.config import TrainConfig
 from trainer.losses import policy_loss, sft_loss, token_logprobs
 
@@ -129,7 +137,9 @@ class APIBatches:
 def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
                   pad_id: int) -> tuple[TrainBatch | None, dict[str, float]]:
     """Check the batch and turn it into padded tensors with per-token advantages: one row
-    per trajectory, or per assistant turn with ``samples: turn_prefix``."""
+    per trajectory, or per assistant turn with ``samples: turn_prefix``. Advantages are
+    computed per group on whole trajectories; a trajectory with ``segment_starts`` then
+    gives one row per segment (per turn within each segment with ``turn_prefix``)."""
     check_groups(batch.groups, vocab_size=vocab_size, need_logprobs=True)
     trajectories, advantages = [], []
     dropped = zero_variance = 0
@@ -147,15 +157,16 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
             dropped += 1
             continue
         zero_variance += result.zero_variance
-        if config.samples == "turn_prefix":
-            for i, (t, a) in enumerate(zip(group.trajectories, result.advantages)):
+        for i, (t, a) in enumerate(zip(group.trajectories, result.advantages)):
+            if config.samples == "turn_prefix":
                 rows, row_advantages = turn_prefix_samples(
                     t, a, f"group {g} ({group.group_id}, item {group.item_id}) sequence {i}")
-                trajectories += rows
-                advantages += row_advantages
-        else:
-            trajectories += group.trajectories
-            advantages += result.advantages
+            elif t.segment_starts:
+                rows, row_advantages = segment_samples(t, a)
+            else:
+                rows, row_advantages = [t], [a]
+            trajectories += rows
+            advantages += row_advantages
     stats = {"reward_mean": float(np.mean(rewards)), "groups": len(batch.groups),
              "groups_zero_variance": zero_variance, "groups_dropped": dropped,
              "rows": len(trajectories),

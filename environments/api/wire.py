@@ -54,6 +54,7 @@ class _Group(msgspec.Struct):
     turn_spans: list[list[list[int]] | None] | None = None
     policy_versions: list[int | None] | None = None
     turn_policy_versions: list[list[int] | None] | None = None
+    segment_starts: list[list[int] | None] | None = None
     flags: list[dict[str, Any]] | None = None
     trajectory_metadata: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
@@ -160,6 +161,7 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
             turn_scores=group.turn_scores,
             turn_spans=group.turn_spans,
             turn_policy_versions=group.turn_policy_versions,
+            segment_starts=group.segment_starts,
             per_sequence={"messages": group.messages, "overrides": group.overrides,
                           "policy_versions": group.policy_versions, "flags": group.flags,
                           "trajectory_metadata": group.trajectory_metadata},

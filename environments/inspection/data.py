@@ -9,6 +9,7 @@ only the groups it embeds).
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from array import array
@@ -197,6 +198,10 @@ class TurnRow:
     message: Message | None
     """The assistant message of this turn, when the trajectory has messages."""
     is_last: bool
+    segment: int = 0
+    """The segment (independent context, see ``segment_starts``) the turn lies in."""
+    new_segment: bool = False
+    """The first turn of a segment after the first: its context was rebuilt before it."""
 
 
 def turn_rows(t: ScoredTrajectory) -> list[TurnRow]:
@@ -210,8 +215,10 @@ def turn_rows(t: ScoredTrajectory) -> list[TurnRow]:
     if len(assistant) >= len(spans):
         assistant = assistant[len(assistant) - len(spans):]
     turn_scores = t.turn_scores
+    segment_starts = t.segment_starts or []
     rows = []
     for k, (start, end) in enumerate(spans):
+        segment = bisect.bisect_right(segment_starts, start)
         trained = [j for j in range(start, end) if t.masks[j] != MASKED]
         advantage = None
         if t.advantages is not None and trained:
@@ -224,7 +231,8 @@ def turn_rows(t: ScoredTrajectory) -> list[TurnRow]:
             score=turn_scores[k] if turn_scores is not None else None,
             advantage=advantage, policy_version=version, n_tokens=end - start,
             n_trained=len(trained), message=assistant[k] if k < len(assistant) else None,
-            is_last=k == len(spans) - 1))
+            is_last=k == len(spans) - 1, segment=segment,
+            new_segment=segment > (rows[-1].segment if rows else 0)))
     return rows
 
 

@@ -109,13 +109,14 @@ def trajectory_detail(t: ScoredTrajectory, matched: bool, vocab_ids: set[int],
         "match": matched,
         "turns": [{"s": r.score, "a": None if r.advantage is None else round(r.advantage, 4),
                    "v": r.policy_version, "n": r.n_tokens, "k": r.n_trained,
-                   "sp": [r.start, r.end]} for r in turns],
+                   "sp": [r.start, r.end], "ns": r.new_segment} for r in turns],
         "msgs": [[row.role, row.content, None if row.turn is None else row.turn.index]
                  for row in rows],
         "tok": t.tokens,
         "tr": [[start, end] for start, end, trained in mask_runs(t.masks) if trained],
         "lp": _round(t.inference_logprobs, t.masks),
         "adv": _round(t.advantages, digits=4),
+        "seg": t.segment_starts or [],
     }
 
 

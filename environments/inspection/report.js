@@ -58,6 +58,7 @@
     const turn = t.turns[k];
     let s = `<span class="turnbadge">turn ${k}${k === t.turns.length - 1 ? " (outcome)" : ""} · score <span class="ts">${fmt(turn.s === null ? (k === t.turns.length - 1 ? t.o : null) : turn.s)}</span>`;
     if (turn.a !== null) s += ` · adv <span class="${turn.a >= 0 ? "adv-pos" : "adv-neg"}">${signed(turn.a)}</span>`;
+    if (turn.ns) s += " · new segment";
     s += ` · ${turn.k}/${turn.n} tok`;
     if (turn.v !== null) s += ` · v${turn.v}`;
     return s + "</span>";
@@ -108,9 +109,11 @@
     const trained = new Uint8Array(t.tok.length);
     for (const [a, b] of t.tr) trained.fill(1, a, b);
     const starts = new Map(t.turns.map((turn, k) => [turn.sp[0], k]));
+    const segments = new Set(t.seg);
     const scale = current.advScale;
     const out = [];
     for (let j = 0; j < t.tok.length; j++) {
+      if (segments.has(j)) out.push(`<span class="tb">new segment</span>`);
       if (starts.has(j)) out.push(`<span class="tb">turn ${starts.get(j)}</span>`);
       const text = tokenText(t.tok[j]);
       const shown = text === null ? `<span class="id">${t.tok[j]}</span>` : esc(text);

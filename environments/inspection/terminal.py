@@ -102,6 +102,8 @@ def _role_cell(row: ConversationRow) -> Text:
     if turn is None:
         return cell
     cell.append(f"\nturn {turn.index}{' (outcome)' if turn.is_last else ''}", style="cyan")
+    if turn.new_segment:
+        cell.append(f"\nnew segment {turn.segment}", style="magenta")
     cell.append(f"\nscore {_score(turn.score)}", style="bold")
     if turn.advantage is not None:
         cell.append(f"\nadv {_signed(turn.advantage)}",
