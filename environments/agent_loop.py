@@ -82,6 +82,9 @@ class RolloutState:
     prefix_preserving: bool = True
     trainable: bool = True
     n_prompt_tokens: int = 0
+    segment_starts: list[int] = field(default_factory=list)
+    """Where a new context begins in ``tokens`` (the interception proxy, when an agent
+    edited its history); empty: one context."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What an env records during the rollout for its reward hooks (e.g. a file the agent
     left in its sandbox); not part of the trajectory."""

@@ -447,6 +447,7 @@ class BaseEnv:
             tokens=rollout.tokens, masks=rollout.masks, scores=scores,
             inference_logprobs=rollout.logprobs if rollout.trainable else None,
             turn_spans=[list(t.span) for t in rollout.turns],
+            segment_starts=rollout.segment_starts or None,
             messages=rollout.messages,
             policy_version=min(versions) if known else None,
             turn_policy_versions=versions if known else None,
@@ -455,6 +456,8 @@ class BaseEnv:
             metadata={"item_id": self.item_id(item), "stop": rollout.stop,
                       "prefix_preserving": rollout.prefix_preserving,
                       "turns": describe_turns(rollout),
+                      **({"segments": rollout.extra["segments"]}
+                         if rollout.segment_starts else {}),
                       **({"rewards": dict(rollout.reward_values)}
                          if rollout.reward_values else {}),
                       "metrics": {**reward_metrics(rollout.reward_values),

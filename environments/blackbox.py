@@ -223,5 +223,11 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
                                  f"stderr: {result.stderr[-500:].strip()!r}")
             stats.limit_exits += 1
 
+    def to_trajectory(self, item: Any, rollout: RolloutState, scores: Any) -> Any:
+        trajectory = super().to_trajectory(item, rollout, scores)
+        run = {k: v for k, v in rollout.extra.get("agent", {}).items() if not k.endswith("_tail")}
+        trajectory.metadata = {**trajectory.metadata, "agent": run}
+        return trajectory
+
     def describe_stats(self) -> dict[str, Any]:
         return {**super().describe_stats(), "agent": asdict(self.agent_stats)}

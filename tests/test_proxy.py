@@ -107,7 +107,7 @@ def test_recorded_tokens_are_exactly_what_vllm_sampled_over_turns_and_streaming(
     assert streamed == (parsed.content if parsed.calls else state.turns[1].text)
     if not first.tool_calls:
         assert (first.content or "") == state.turns[0].text
-    assert state.extra["segment_starts"] == []
+    assert state.segment_starts == []
 
 
 def test_an_edited_history_starts_a_new_segment_instead_of_retokenizing(vllm_server):
@@ -126,7 +126,7 @@ def test_an_edited_history_starts_a_new_segment_instead_of_retokenizing(vllm_ser
             return renderer, sampled, edited, state, rollout
 
     renderer, sampled, edited, state, rollout = asyncio.run(main())
-    [start] = state.extra["segment_starts"]
+    [start] = state.segment_starts
     assert start == state.turns[0].span[1]  # right after the first turn
     assert "messages[0]" in state.extra["segments"][1]["reason"]
     # the new segment is the edited conversation rendered afresh, then the sampled turn

@@ -187,7 +187,7 @@ class InterceptedRollout:
             last = self.segments[-1]
             state.messages = [m.rendered for m in last.messages]
             state.tools = last.tools
-        state.extra["segment_starts"] = [s.start for s in self.segments[1:]]
+        state.segment_starts = [s.start for s in self.segments[1:]]
         state.extra["segments"] = [{"start": s.start, "reason": s.reason,
                                     "messages": len(s.messages)} for s in self.segments]
         if self.limit is not None:
