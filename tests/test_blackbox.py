@@ -18,7 +18,7 @@ from environments.jsonl_store import read_groups
 from environments.trajectory import MASKED
 
 from conftest import REPO
-from sandbox_fixtures import host_processes_mentioning
+from sandbox_fixtures import docker_image, host_processes_mentioning  # noqa: F401
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap is Linux-only")
 
@@ -130,3 +130,23 @@ def test_an_agent_that_hangs_is_killed_at_the_timeout_and_its_group_fails(vllm_s
     assert env.agent_stats.timeouts == 2
     assert "agent_timeout_s" in env.last_error
     assert not host_processes_mentioning(marker)
+
+
+def test_the_reference_agent_reaches_the_model_from_a_docker_container(vllm_server, tmp_path,
+                                                                       docker_image):
+    """No network in the container: the proxy's socket is mounted in, as with bwrap."""
+    env = make_env(vllm_server, tmp_path, sandbox_backend="docker", sandbox_image=docker_image,
+                   group_size=1)
+
+    async def main():
+        await env.start()
+        try:
+            return await env.collect_group(await env.get_next_item())
+        finally:
+            await env.close()
+
+    group = asyncio.run(main())
+    assert group is not None, env.last_error
+    [t] = group.trajectories
+    assert t.messages[0].content == SYSTEM and t.turn_spans
+    assert t.metadata["agent"]["exit_code"] in (0, 3)
