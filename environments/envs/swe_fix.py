@@ -95,6 +95,7 @@ from pydantic import Field
 from environments.agent_loop import RolloutState
 from environments.base import BaseEnv, TurnLevelRewardMixin
 from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
+from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_GRADER
 from environments.sandbox import (
     WORKSPACE,
     Sandbox,
@@ -104,7 +105,6 @@ from environments.sandbox import (
     create_sandbox,
 )
 from environments.sandbox.base import workspace_relative
-from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_GRADER
 
 SAMPLE_DIR = Path(__file__).parent / "data" / "swe_fix"
 GRADING_DIR = ".lachesis"
