@@ -14,6 +14,7 @@ ENVIRONMENTS = {
     "arithmetic_tool": "environments.envs.arithmetic_tool:ArithmeticToolEnv",
     "code_debug": "environments.envs.code_debug:CodeDebugEnv",
     "gsm8k_code": "environments.envs.gsm8k_code:GSM8KCodeEnv",
+    "swe_fix": "environments.envs.swe_fix:SweFixEnv",
 }
 """Envs shipped with Lachesis, by name."""
 
