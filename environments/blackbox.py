@@ -44,6 +44,7 @@ from environments.agents.runtime import (
     MOUNT,
     REFERENCE_AGENT,
     build_runtime,
+    check_sandbox_python,
     runtime_env,
 )
 from environments.sandbox import SandboxError
@@ -106,6 +107,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         self.proxy = None
         self._socket_dir: Path | None = None
         self._runtime: Path | None = None
+        self._checked_images: set[str | None] = set()
 
     def agent_task(self, item: Any) -> str:
         """The task text handed to the agent (environment variable ``LACHESIS_TASK``)."""
@@ -178,6 +180,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         try:
             async with await self.new_sandbox(image=self.sandbox_image(item),
                                               ro_mounts=mounts) as box:
+                await self._check_runtime(box)
                 await self.prepare_sandbox(item, box)
                 self.agent_stats.runs += 1
                 try:
@@ -194,6 +197,17 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
             if not finished:
                 await self.proxy.finish_rollout(rollout)
         return state
+
+    async def _check_runtime(self, box: Any) -> None:
+        """Once per image, when the default (reference) agent runs: the sandbox's python3
+        must be able to import the runtime's packages."""
+        image = getattr(box, "image", None)
+        if (image in self._checked_images or self.config.sandbox_backend == "unsafe_subprocess"
+                or type(self).agent_command is not BlackBoxEnvMixin.agent_command):
+            return
+        result = await box.exec(["python3", "--version"], env=runtime_env())
+        check_sandbox_python(result.stdout + result.stderr)
+        self._checked_images.add(image)
 
     def _check_run(self, item_id: str, rollout: Any, state: RolloutState, result: Any) -> None:
         """Record the run; raise :class:`AgentError` when it must not be scored."""

@@ -150,3 +150,56 @@ def test_the_reference_agent_reaches_the_model_from_a_docker_container(vllm_serv
     [t] = group.trajectories
     assert t.messages[0].content == SYSTEM and t.turn_spans
     assert t.metadata["agent"]["exit_code"] in (0, 3)
+
+
+GOLD_AGENT = """
+import os, shutil, openai
+client = openai.OpenAI(max_retries=0)
+client.chat.completions.create(model="tiny", messages=[
+    {"role": "user", "content": os.environ["LACHESIS_TASK"]}])
+for root, _, files in os.walk(".gold"):  # the fix, as a perfect agent would write it
+    for name in files:
+        source = os.path.join(root, name)
+        shutil.copyfile(source, os.path.relpath(source, ".gold"))
+"""
+
+
+def test_swe_fix_end_to_end_a_fixing_agent_is_resolved_and_a_random_policy_is_not(
+        vllm_server, tmp_path):
+    """The whole path: agent process in the sandbox, proxy, copy-out, grading in a fresh
+    sandbox with pristine tests, turn rewards, metrics."""
+    from environments.envs.swe_fix import SweFixConfig, SweFixEnv
+
+    class GoldSweFix(SweFixEnv):
+        async def prepare_sandbox(self, item, sandbox):
+            await super().prepare_sandbox(item, sandbox)
+            for path, text in item["fixed_files"].items():
+                await sandbox.write_file(f".gold/{path}", text)
+            await sandbox.write_file("gold_agent.py", GOLD_AGENT)
+
+        def agent_command(self, item):
+            return ["python3", "gold_agent.py"]
+
+    settings = {"tokenizer": str(vllm_server.model_dir), "inference_servers": [vllm_server.url],
+                "dataset": "sample", "group_size": 2, "max_turns": 3,
+                "max_tokens_per_turn": 24, "max_token_length": 3072,
+                "keep_equal_score_groups": True, "spool_path": tmp_path / "spool.jsonl"}
+
+    async def one_group(env):
+        await env.start()
+        try:
+            return await env.collect_group(await env.get_next_item())
+        finally:
+            await env.close()
+
+    gold = asyncio.run(one_group(GoldSweFix(SweFixConfig(**settings))))
+    assert gold is not None
+    for t in gold.trajectories:
+        assert t.scores == [1.0] and t.metadata["metrics"]["resolved"] == 1.0
+    reference = SweFixEnv(SweFixConfig(**settings))
+    group = asyncio.run(one_group(reference))
+    assert group is not None, reference.last_error
+    assert reference.agent_stats.runs == 2
+    for t in group.trajectories:
+        assert t.outcome == 0.0 and t.metadata["metrics"]["resolved"] == 0.0
+        assert t.messages[0].content == SYSTEM
