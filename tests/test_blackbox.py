@@ -132,11 +132,14 @@ def test_an_agent_that_hangs_is_killed_at_the_timeout_and_its_group_fails(vllm_s
     assert not host_processes_mentioning(marker)
 
 
-def test_the_reference_agent_reaches_the_model_from_a_docker_container(vllm_server, tmp_path,
-                                                                       docker_image):
-    """No network in the container: the proxy's socket is mounted in, as with bwrap."""
-    env = make_env(vllm_server, tmp_path, sandbox_backend="docker", sandbox_image=docker_image,
-                   group_size=1)
+@pytest.mark.parametrize("backend", ["docker", "unsafe_subprocess"])
+def test_the_reference_agent_reaches_the_model_from_the_other_backends(vllm_server, tmp_path,
+                                                                       request, backend):
+    """docker: no network in the container, the proxy's socket is mounted in, as with
+    bwrap; unsafe_subprocess: the agent calls the proxy's TCP address directly."""
+    settings = ({"sandbox_image": request.getfixturevalue("docker_image")}
+                if backend == "docker" else {"sandbox_allow_unsafe": True})
+    env = make_env(vllm_server, tmp_path, sandbox_backend=backend, group_size=1, **settings)
 
     async def main():
         await env.start()

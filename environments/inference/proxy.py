@@ -233,8 +233,8 @@ class InterceptionProxy:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        bound = site._server.sockets[0].getsockname()  # the port, when 0 was asked
-        self.url = f"http://{host}:{bound[1]}"
+        port = self._runner.addresses[0][1]  # the one bound, when 0 was asked
+        self.url = f"http://{host}:{port}"
         if unix_path is not None:
             self.unix_path = Path(unix_path)
             self.unix_path.parent.mkdir(parents=True, exist_ok=True)
