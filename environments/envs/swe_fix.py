@@ -71,6 +71,10 @@ Known limits, honestly:
 * Real repositories need generous sandbox limits (``sandbox_cpu_time_s``,
   ``sandbox_memory_mb``; ``sandbox_workspace_mb`` for the copy; ``grading_*`` for the
   grading sandbox); the compressed workspace must fit ``max_repo_mb``.
+* The reference agent imports ``openai`` from the agent runtime, copied from Lachesis's
+  own Python (3.11): in a task image whose ``python3`` (the testbed's, first on PATH) is
+  another version, the first rollout fails with that reason. Such images need an agent
+  that brings its own interpreter (``agent_command``), or a runtime built for theirs.
 * Turn rewards are read from the tool calls (a ``cat`` in every turn earns the inspect
   reward every turn); edits made through ``bash`` (``sed -i``, heredocs) earn no edit
   reward.

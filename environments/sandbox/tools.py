@@ -166,7 +166,7 @@ class SandboxEnvMixin:
         """A sandbox with this env's settings, and ``overrides`` of
         :class:`SandboxConfig` fields (e.g. ``image``); counted."""
         try:
-            box = await create_sandbox(self.config.sandbox_config().model_copy(update=overrides))
+            box = await create_sandbox(self.config.sandbox_config(), **overrides)
         except SandboxError:
             self.sandbox_stats.sandbox_failures += 1
             raise
