@@ -19,6 +19,10 @@ Every turn samples exactly ``--tokens-per-turn`` tokens (``min_tokens`` and a lo
 on the end-of-turn token, as in ``rollout_overhead.py``), so both sides ask vLLM for the
 same work. The agent's client runs in this process, next to the proxy: on a real run it
 is another process (in a sandbox), so the proxy side here also pays the client's CPU.
+As in ``rollout_overhead.py``, the script re-runs itself in its own session with a lower
+nice value (``--client-nice``): the CPU build of vLLM busy-polls every core, and without it
+every socket write of the client may wait tens of ms for a core (measured: 17-21 ms per
+``send`` on average), which swamps what is being compared.
 Prints tokens/s per run and the proxy/direct ratio per pair and overall.
 
     python benchmarks/proxy_overhead.py --rollouts 32 --turns 3 --concurrency 8
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -49,7 +54,15 @@ from environments.inference.proxy import InterceptionProxy  # noqa: E402
 from environments.inference.vllm_client import VLLMServerPool  # noqa: E402
 from environments.inference.vllm_process import VLLMProcess  # noqa: E402
 from environments.tool_parsers import get_parser  # noqa: E402
-from rollout_overhead import EOS_BIAS, SERVED_NAME, reset_prefix_cache  # noqa: E402
+from rollout_overhead import (  # noqa: E402
+    _CHILD_MARKER,
+    EOS_BIAS,
+    SERVED_NAME,
+    _die_with_parent,
+    _run_in_own_session,
+    raise_client_priority,
+    reset_prefix_cache,
+)
 
 START = [{"role": "system", "content": "You are a helpful assistant."},
          {"role": "user", "content": "Tell me about the sea."}]
@@ -150,8 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-turn", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--client-nice", type=int, default=-10,
+                        help="nice value of this process (both sides), as in "
+                             "rollout_overhead.py: the CPU vLLM server busy-polls every core "
+                             "and a client that needs one waits for it; 0: leave it")
     parser.add_argument("--json", metavar="OUT", help="also write the runs as JSON to OUT")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.client_nice and not os.environ.get(_CHILD_MARKER):
+        return _run_in_own_session(argv, __file__)
+    if os.environ.get(_CHILD_MARKER):
+        _die_with_parent()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         from environments.tiny_model import make_tiny_model
@@ -162,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         try:
             server.wait_ready(timeout=300)
+            if args.client_nice:
+                print(f"benchmark client (both sides): {raise_client_priority(args.client_nice)}",
+                      flush=True)
             results = asyncio.run(bench(args, server))
         finally:
             server.stop()

@@ -618,10 +618,11 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
 _CHILD_MARKER = "_LACHESIS_ROLLOUT_OVERHEAD_CHILD"
 
 
-def _run_in_own_session(argv: list[str]) -> int:
-    """Re-run this script in a new session (so a new scheduler autogroup, whose nice
-    value can be changed without touching the caller's), forwarding Ctrl-C/SIGTERM."""
-    child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv],
+def _run_in_own_session(argv: list[str], script: str | Path = __file__) -> int:
+    """Re-run ``script`` (default: this one) in a new session (so a new scheduler
+    autogroup, whose nice value can be changed without touching the caller's), forwarding
+    Ctrl-C/SIGTERM."""
+    child = subprocess.Popen([sys.executable, str(Path(script).resolve()), *argv],
                              env={**os.environ, _CHILD_MARKER: "1"}, start_new_session=True)
 
     def forward(signum: int, frame: Any) -> None:
