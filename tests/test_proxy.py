@@ -175,3 +175,27 @@ def test_requests_are_refused_for_a_wrong_token_unknown_or_finished_rollouts_and
     assert results["over max_turns"][1]["error"]["code"] == "max_turns_exceeded"
     assert len(state.turns) == 1 and state.truncated and state.stop == "max_turns"
     json.dumps(results)  # the errors are plain JSON bodies
+
+
+def test_an_agent_that_compacts_after_a_context_length_refusal_goes_on_in_a_new_segment(
+        vllm_server):
+    async def main():
+        async with running_proxy(vllm_server, max_token_length=10_000) as (proxy, renderer, _):
+            proxy.max_token_length = len(renderer.prompt_ids(START)) + 40
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            first = (await client.chat.completions.create(
+                model="tiny", messages=START)).choices[0].message
+            long = START + [echo(first), {"role": "user", "content": "x" * 300}]
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="tiny", messages=long)
+            compact = [{"role": "user", "content": "12 * 7?"}]
+            await client.chat.completions.create(model="tiny", messages=compact)
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return refused.value, state
+
+    refused, state = asyncio.run(main())
+    assert refused.code == "context_length_exceeded"
+    assert len(state.turns) == 2 and len(state.segment_starts) == 1
+    assert state.stop == "answer"  # the refusal was not the end of the rollout

@@ -396,6 +396,7 @@ class InterceptionProxy:
                                  "name": c.name, "arguments": c.arguments}}
                                  for c in parsed.calls]} if parsed.calls else {})}
         segment.messages.append(recorded)
+        rollout.limit = None  # an agent that shortened its context after a refusal went on
         if generated.finish_reason == "length":
             state.truncated = True
         finish = "tool_calls" if calls else (
