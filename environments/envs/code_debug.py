@@ -42,6 +42,7 @@ from pydantic import Field
 
 from environments.agent_loop import RolloutState
 from environments.base import BaseEnv, TurnLevelRewardMixin
+from environments.item_order import EpochOrder
 from environments.sandbox import Sandbox, SandboxError
 from environments.sandbox.base import workspace_relative
 from environments.sandbox.tools import SandboxEnvConfig, SandboxEnvMixin, SandboxSession
@@ -138,8 +139,7 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     def __init__(self, config: CodeDebugConfig | None = None):
         super().__init__(config)
         self.tasks: list[dict[str, Any]] | None = None
-        self._order: list[int] = []
-        self._position = 0
+        self.order = EpochOrder(self.rng, self.config.shuffle)
 
     async def setup(self) -> None:
         if self.tasks is None:
@@ -150,14 +150,7 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     async def get_next_item(self) -> dict[str, Any]:
         if self.tasks is None:
             await self.setup()
-        if self._position >= len(self._order):
-            self._order = list(range(len(self.tasks)))
-            if self.config.shuffle:
-                self.rng.shuffle(self._order)
-            self._position = 0
-        item = self.tasks[self._order[self._position]]
-        self._position += 1
-        return item
+        return self.order.next(self.tasks)
 
     async def eval_items(self) -> list[dict[str, Any]]:
         await self.setup()

@@ -31,6 +31,7 @@ from pydantic import Field
 
 from environments.agent_loop import RolloutState
 from environments.base import BaseEnv, TurnLevelRewardMixin
+from environments.item_order import EpochOrder
 from environments.sandbox.tools import SandboxEnvConfig, SandboxEnvMixin, SandboxSession
 from environments.tools import Tool, ToolError, tool
 
@@ -135,8 +136,7 @@ class GSM8KCodeEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     def __init__(self, config: GSM8KCodeConfig | None = None):
         super().__init__(config)
         self.train: list[dict[str, Any]] | None = None
-        self._order: list[int] = []
-        self._position = 0
+        self.order = EpochOrder(self.rng, self.config.shuffle)
 
     def _load(self, split: str) -> list[dict[str, Any]]:
         c = self.config
@@ -151,14 +151,7 @@ class GSM8KCodeEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     async def get_next_item(self) -> dict[str, Any]:
         if self.train is None:
             await self.setup()
-        if self._position >= len(self._order):
-            self._order = list(range(len(self.train)))
-            if self.config.shuffle:
-                self.rng.shuffle(self._order)
-            self._position = 0
-        item = self.train[self._order[self._position]]
-        self._position += 1
-        return item
+        return self.order.next(self.train)
 
     async def eval_items(self) -> list[dict[str, Any]]:
         items = self._load(self.config.eval_split)

@@ -100,6 +100,7 @@ from environments.agent_loop import RolloutState
 from environments.base import BaseEnv, TurnLevelRewardMixin
 from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
 from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_GRADER
+from environments.item_order import EpochOrder
 from environments.sandbox import (
     WORKSPACE,
     Sandbox,
@@ -354,8 +355,7 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     def __init__(self, config: SweFixConfig | None = None):
         super().__init__(config)
         self.tasks: list[dict[str, Any]] | None = None
-        self._order: list[int] = []
-        self._position = 0
+        self.order = EpochOrder(self.rng, self.config.shuffle)
 
     # -- data ----------------------------------------------------------------------------
     @property
@@ -373,14 +373,7 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     async def get_next_item(self) -> dict[str, Any]:
         if self.tasks is None:
             await self.setup()
-        if self._position >= len(self._order):
-            self._order = list(range(len(self.tasks)))
-            if self.config.shuffle:
-                self.rng.shuffle(self._order)
-            self._position = 0
-        item = self.tasks[self._order[self._position]]
-        self._position += 1
-        return item
+        return self.order.next(self.tasks)
 
     async def eval_items(self) -> list[dict[str, Any]]:
         await self.setup()
