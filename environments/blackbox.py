@@ -157,7 +157,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         mounts = {str(self._runtime): MOUNT}
         if self.config.sandbox_backend == "unsafe_subprocess":  # host network, host paths
             command, base_url, mounts = [], proxy.base_url(rollout), {}
-            env = {"PYTHONPATH": str(self._runtime / "site"), "PYTHONDONTWRITEBYTECODE": "1"}
+            env = runtime_env(self._runtime)
             agent = [a.replace(MOUNT, str(self._runtime)) for a in self.agent_command(item)]
         else:
             mounts[str(self._socket_dir)] = SOCKET_DIR

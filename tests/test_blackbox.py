@@ -70,6 +70,18 @@ def make_env(vllm_server, tmp_path, command=None, **settings):
     return NoteEnv(BlackBoxEnvConfig(**settings), command)
 
 
+def one_group(env):
+    """Start ``env``, collect one group (None if it failed), close."""
+    async def main():
+        await env.start()
+        try:
+            return await env.collect_group(await env.get_next_item())
+        finally:
+            await env.close()
+
+    return asyncio.run(main())
+
+
 def test_agent_runs_in_the_sandbox_and_its_trajectories_pass_the_trainer_alignment_check(
         vllm_server, tmp_path):
     out = tmp_path / "groups.jsonl"
@@ -118,14 +130,7 @@ def test_an_agent_that_hangs_is_killed_at_the_timeout_and_its_group_fails(vllm_s
     env = make_env(vllm_server, tmp_path, agent_timeout_s=3,
                    command=["python3", "-c", "import time; time.sleep(600)", marker])
 
-    async def main():
-        await env.start()
-        try:
-            return await env.collect_group(await env.get_next_item())
-        finally:
-            await env.close()
-
-    assert asyncio.run(main()) is None  # dropped, not scored 0
+    assert one_group(env) is None  # dropped, not scored 0
     assert env.stats.groups_failed == 1 and env.stats.groups_sent == 0
     assert env.agent_stats.timeouts == 2
     assert "agent_timeout_s" in env.last_error
@@ -141,14 +146,7 @@ def test_the_reference_agent_reaches_the_model_from_the_other_backends(vllm_serv
                 if backend == "docker" else {"sandbox_allow_unsafe": True})
     env = make_env(vllm_server, tmp_path, sandbox_backend=backend, group_size=1, **settings)
 
-    async def main():
-        await env.start()
-        try:
-            return await env.collect_group(await env.get_next_item())
-        finally:
-            await env.close()
-
-    group = asyncio.run(main())
+    group = one_group(env)
     assert group is not None, env.last_error
     [t] = group.trajectories
     assert t.messages[0].content == SYSTEM and t.turn_spans
@@ -188,19 +186,12 @@ def test_swe_fix_end_to_end_a_fixing_agent_is_resolved_and_a_random_policy_is_no
                 "max_tokens_per_turn": 24, "max_token_length": 3072,
                 "keep_equal_score_groups": True, "spool_path": tmp_path / "spool.jsonl"}
 
-    async def one_group(env):
-        await env.start()
-        try:
-            return await env.collect_group(await env.get_next_item())
-        finally:
-            await env.close()
-
-    gold = asyncio.run(one_group(GoldSweFix(SweFixConfig(**settings))))
+    gold = one_group(GoldSweFix(SweFixConfig(**settings)))
     assert gold is not None
     for t in gold.trajectories:
         assert t.scores == [1.0] and t.metadata["metrics"]["resolved"] == 1.0
     reference = SweFixEnv(SweFixConfig(**settings))
-    group = asyncio.run(one_group(reference))
+    group = one_group(reference)
     assert group is not None, reference.last_error
     assert reference.agent_stats.runs == 2
     for t in group.trajectories:

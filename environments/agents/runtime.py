@@ -94,9 +94,10 @@ def build_runtime(root: str | Path | None = None) -> Path:
     return target
 
 
-def runtime_env() -> dict[str, str]:
-    """Environment variables that let the sandbox's python3 import the runtime."""
-    return {"PYTHONPATH": f"{MOUNT}/site", "PYTHONDONTWRITEBYTECODE": "1"}
+def runtime_env(root: str | Path = MOUNT) -> dict[str, str]:
+    """Environment variables that let python3 import the runtime found at ``root`` (in a
+    sandbox: where it is mounted)."""
+    return {"PYTHONPATH": f"{root}/site", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def check_sandbox_python(version_output: str) -> None:

@@ -390,12 +390,12 @@ class InterceptionProxy:
         # What is recorded: the turn as sampled (the template renders its raw text); the
         # key: the reply as the agent will send it back.
         echo = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        recorded = normalize_message(echo, len(segment.messages))
-        recorded.rendered = {"role": "assistant", "content": generated.text,
-                             **({"tool_calls": [{"type": "function", "function": {
-                                 "name": c.name, "arguments": c.arguments}}
-                                 for c in parsed.calls]} if parsed.calls else {})}
-        segment.messages.append(recorded)
+        segment.messages.append(Message(
+            rendered={"role": "assistant", "content": generated.text,
+                      **({"tool_calls": [{"type": "function", "function": {
+                          "name": c.name, "arguments": c.arguments}}
+                          for c in parsed.calls]} if parsed.calls else {})},
+            key=normalize_message(echo, len(segment.messages)).key))
         rollout.limit = None  # an agent that shortened its context after a refusal went on
         if generated.finish_reason == "length":
             state.truncated = True
