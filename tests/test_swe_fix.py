@@ -339,7 +339,8 @@ def test_an_unreadable_or_missing_repository_scores_zero_and_a_failed_sandbox_ra
     async def broken(*args, **kwargs):
         raise SandboxError("daemon went away")
 
-    monkeypatch.setattr("environments.envs.swe_fix.create_sandbox", broken)
+    # grading sandboxes are made through SandboxEnvMixin.new_sandbox
+    monkeypatch.setattr("environments.sandbox.tools.create_sandbox", broken)
     rollout = RolloutState(messages=[], tools=None)
     rollout.turns = [turn()]
     rollout.extra["repo_tar"] = make_tar({"semverlib/__init__.py": ""})

@@ -107,7 +107,6 @@ from environments.sandbox import (
     SandboxConfig,
     SandboxError,
     SandboxUsageError,
-    create_sandbox,
 )
 from environments.sandbox.base import workspace_relative
 
@@ -443,17 +442,10 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     # -- grading -------------------------------------------------------------------------
     async def _grading_sandbox(self, item: dict[str, Any]) -> Sandbox:
         c = self.config
-        try:
-            box = await create_sandbox(
-                c.sandbox_config(), image=self.sandbox_image(item), network=False,
-                timeout_s=c.grading_timeout_s,
-                cpu_time_s=max(c.sandbox_cpu_time_s, int(c.grading_timeout_s) + 1),
-                memory_mb=max(c.sandbox_memory_mb, c.grading_memory_mb))
-        except SandboxError:
-            self.sandbox_stats.sandbox_failures += 1
-            raise
-        self.sandbox_stats.sandboxes += 1
-        return box
+        return await self.new_sandbox(
+            image=self.sandbox_image(item), network=False, timeout_s=c.grading_timeout_s,
+            cpu_time_s=max(c.sandbox_cpu_time_s, int(c.grading_timeout_s) + 1),
+            memory_mb=max(c.sandbox_memory_mb, c.grading_memory_mb))
 
     async def grade(self, item: dict[str, Any], repo_tar: bytes | None) -> Grading:
         """Run the listed tests on the agent's repository in a fresh sandbox (see the
