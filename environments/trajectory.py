@@ -27,13 +27,24 @@ from __future__ import annotations
 
 import bisect
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 MASKED = -100
 """Mask value of a token that is context, not trained (Atropos convention)."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id the contract accepts (vocabularies are far smaller; a model's own
+vocabulary size is checked by the trainer)."""
+MAX_INT = 2**63 - 1
+"""Largest env id or policy version (they are stored as 64-bit integers)."""
+MAX_DEPTH = 64
+"""Deepest nesting accepted in free-form JSON fields (metadata, overrides, images...)."""
+
+Id = Annotated[int, Field(ge=0, le=MAX_INT)]
+"""An env id or policy version: a non-negative 64-bit integer."""
 
 
 class TrajectoryError(ValueError):
@@ -137,6 +148,78 @@ def _check_segment_starts(index: int | None, n_tokens: int, segment_starts: list
                 f"[{span_start}, {span_end}) (a turn lies within one segment)")
 
 
+def check_token_values(index: int | None, tokens: Any, masks: Any,
+                       segment_starts: list[int] | None = None) -> None:
+    """Check the values of one sequence's ``tokens`` and ``masks`` (same length, already
+    checked by :func:`check_sequence`); raise :class:`TrajectoryError` on the first bad one.
+
+    * every token id is in ``[0, MAX_TOKEN_ID]``;
+    * ``masks[j]`` is ``MASKED`` or ``tokens[j]`` (the Atropos convention);
+    * ``masks[0]`` and the mask at every segment start are ``MASKED``: nothing in the
+      model's context predicts a first token, so it cannot be trained.
+
+    Vectorised: ``tokens``/``masks`` may be lists or int64 arrays (the rollout API parses
+    the raw JSON arrays straight into arrays).
+    """
+    t = _int64_array(tokens, "tokens", index)
+    m = _int64_array(masks, "masks", index)
+    bad = np.flatnonzero((t < 0) | (t > MAX_TOKEN_ID))
+    if bad.size:
+        j = int(bad[0])
+        value = _INT64_BOUNDS.get(int(t[j]), int(t[j]))
+        raise TrajectoryError(f"{_name('tokens', index)}[{j}]",
+                              f"{value} is not a token id (0 to {MAX_TOKEN_ID})")
+    bad = np.flatnonzero((m != MASKED) & (m != t))
+    if bad.size:
+        j = int(bad[0])
+        raise TrajectoryError(f"{_name('masks', index)}[{j}]",
+                              f"is {int(m[j])}; must be {MASKED} or the token id {int(t[j])}")
+    if m.size and m[0] != MASKED:
+        raise TrajectoryError(f"{_name('masks', index)}[0]",
+                              f"is {int(m[0])}; the first token must be masked ({MASKED}): "
+                              "nothing predicts it, so it cannot be trained")
+    for k, start in enumerate(segment_starts or []):
+        if m[start] != MASKED:
+            raise TrajectoryError(
+                f"{_name('segment_starts', index)}[{k}]",
+                f"token {start} begins a new context, so nothing predicts it; it must be "
+                f"masked ({MASKED}), but masks[{start}] is {int(m[start])}")
+
+
+_INT64_BOUNDS = {2**63 - 1: ">= 2^63", -(2**63): "< -2^63"}
+"""How an int64 array shows integers beyond its range (the rollout API parses into one)."""
+
+
+def _int64_array(values: Any, field: str, index: int | None) -> np.ndarray:
+    if isinstance(values, np.ndarray):
+        return values
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        j = next(j for j, v in enumerate(values) if not -(2**63) <= v < 2**63)
+        raise TrajectoryError(f"{_name(field, index)}[{j}]",
+                              f"{values[j]} does not fit in 64 bits") from None
+
+
+def check_depth(value: Any, field: str, limit: int = MAX_DEPTH) -> None:
+    """Raise :class:`TrajectoryError` if ``value`` nests lists/dicts deeper than ``limit``
+    (deep JSON breaks recursive encoders and decoders downstream)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            children = item
+        elif isinstance(item, BaseModel):  # e.g. a Message and its extra keys
+            children = list(item.__dict__.values()) + list((item.__pydantic_extra__ or {}).values())
+        else:
+            continue
+        if depth > limit:
+            raise TrajectoryError(field, f"nested more than {limit} levels deep")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def field_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
     """A pydantic error location as a field name: ``("tokens", 2, 5)`` -> ``tokens[2][5]``."""
     path = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
@@ -202,9 +285,9 @@ class ScoredTrajectory(BaseModel):
     """Per-token advantages set by the env; they override the trainer's estimator."""
     ref_logprobs: list[float] | None = None
     messages: list[Message] | None = None
-    policy_version: int | None = None
+    policy_version: Id | None = None
     """Weight version that generated the first sampled tokens."""
-    turn_policy_versions: list[int] | None = None
+    turn_policy_versions: list[Id] | None = None
     """Weight version per assistant turn, when it changed during the rollout."""
     segment_starts: list[int] | None = None
     """Token positions where a new, independent context begins: the tokens before a
@@ -242,17 +325,9 @@ class ScoredTrajectory(BaseModel):
             turn_policy_versions=self.turn_policy_versions,
             segment_starts=self.segment_starts,
         )
-        for j, (token, mask) in enumerate(zip(self.tokens, self.masks)):
-            if mask != MASKED and mask != token:
-                raise TrajectoryError(
-                    f"{_name('masks', index)}[{j}]",
-                    f"is {mask}; must be {MASKED} or the token id {token}")
-        for k, start in enumerate(self.segment_starts or []):
-            if self.masks[start] != MASKED:
-                raise TrajectoryError(
-                    f"{_name('segment_starts', index)}[{k}]",
-                    f"token {start} begins a new context, so nothing predicts it; it must be "
-                    f"masked ({MASKED}), but masks[{start}] is {self.masks[start]}")
+        check_token_values(index, self.tokens, self.masks, self.segment_starts)
+        for name in ("overrides", "metadata"):
+            check_depth(getattr(self, name), _name(name, index))
 
     @property
     def outcome(self) -> float:
@@ -281,13 +356,26 @@ class ScoredGroup(BaseModel):
     group_id: str = Field(default_factory=new_group_id, min_length=1, max_length=200)
     """Client-chosen id; pushing the same id twice stores the group once."""
     env: str | None = None
-    env_id: int | None = None
+    env_id: Id | None = None
     item_id: str | None = None
     trajectories: list[ScoredTrajectory] = Field(min_length=1)
     generation_params: dict[str, Any] | None = None
     group_overrides: dict[str, Any] | None = None
-    images: Any = None
+    images: list[Any] | None = None
+    """Atropos multimodal inputs: one entry per trajectory."""
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_group(self) -> ScoredGroup:
+        try:
+            if self.images is not None and len(self.images) != len(self.trajectories):
+                raise TrajectoryError("images", f"has {len(self.images)} entries for "
+                                      f"{len(self.trajectories)} trajectories")
+            for name in ("generation_params", "group_overrides", "images", "metadata"):
+                check_depth(getattr(self, name), name)
+        except TrajectoryError as error:
+            raise _custom_error(error) from None
+        return self
 
     @property
     def policy_version(self) -> int | None:
@@ -405,16 +493,17 @@ class ScoredData(BaseModel):
     inference_logprobs: list[list[float]] | None = None
     overrides: list[dict[str, Any]] | None = None
     group_overrides: dict[str, Any] | None = None
-    images: Any = None
-    env_id: int | None = None
+    images: list[Any] | None = None
+    """One entry per sequence (Atropos's multimodal envs send a list)."""
+    env_id: Id | None = None
     # Lachesis extensions.
     group_id: str | None = Field(default=None, min_length=1, max_length=200)
     env: str | None = None
     item_id: str | None = None
     turn_scores: list[list[float] | None] | None = None
     turn_spans: list[list[list[int]] | None] | None = None
-    policy_versions: list[int | None] | None = None
-    turn_policy_versions: list[list[int] | None] | None = None
+    policy_versions: list[Id | None] | None = None
+    turn_policy_versions: list[list[Id] | None] | None = None
     segment_starts: list[list[int] | None] | None = None
     flags: list[TrajectoryFlags] | None = None
     trajectory_metadata: list[dict[str, Any]] | None = None
@@ -436,11 +525,22 @@ class ScoredData(BaseModel):
                 segment_starts=self.segment_starts,
                 per_sequence={"messages": self.messages, "overrides": self.overrides,
                               "policy_versions": self.policy_versions, "flags": self.flags,
-                              "trajectory_metadata": self.trajectory_metadata},
+                              "trajectory_metadata": self.trajectory_metadata,
+                              "images": self.images},
             )
+            for i, (tokens, masks) in enumerate(zip(self.tokens, self.masks)):
+                starts = self.segment_starts[i] if self.segment_starts else None
+                check_token_values(i, tokens, masks, starts)
+            for name in FREE_FORM_FIELDS:
+                check_depth(getattr(self, name), name)
         except TrajectoryError as error:
             raise _custom_error(error) from None
         return self
+
+
+FREE_FORM_FIELDS = ("generation_params", "overrides", "group_overrides", "images",
+                    "trajectory_metadata", "metadata", "messages")
+"""Fields of :class:`ScoredData` that hold arbitrary JSON (their depth is limited)."""
 
 
 def _lens(values: list[list] | None) -> list[int] | None:

@@ -240,3 +240,67 @@ def test_config_file_layering_and_bad_settings(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("api:\n  lease_timeout: 5\n")
     assert main(["api", "--config", str(bad)]) == 2  # unknown key: refused, named
+
+
+def test_atropos_batch_has_every_scored_data_key_and_empty_lease_says_why():
+    """atroposlib's run-api returns every ScoredData key (null where absent); its example
+    trainer indexes them (``item["overrides"]``)."""
+    from environments.api.wire import ATROPOS_OPTIONAL_KEYS
+
+    async def scenario():
+        async with running_api() as (url, api), aiohttp.ClientSession() as s:
+            await call(s, "POST", url + "/register", TRAINER)
+            status, out = await call(s, "GET", url + "/batch")
+            assert out["batch"] is None and out["reason"] == "no groups queued"
+            plain = {"tokens": [[1, 2, 3], [1, 2, 4]], "masks": [[-100, 2, 3], [-100, 2, 4]],
+                     "scores": [1.0, 0.0], "env_id": 0}
+            for _ in range(3):
+                assert (await call(s, "POST", url + "/scored_data", plain))[0] == 200
+            status, out = await call(s, "POST", url + "/lease", {"batch_size": 8})
+            assert out["batch"] is None and out["lease_id"] is None
+            assert out["reason"] == ("6 sequences queued (in 3 groups), fewer than "
+                                     "batch_size 8: waiting for more")
+            status, out = await call(s, "GET", url + "/batch")
+            for item in out["batch"]:
+                assert [item[k] for k in ATROPOS_OPTIONAL_KEYS if k != "env_id"] == \
+                    [None] * (len(ATROPOS_OPTIONAL_KEYS) - 1)
+                assert item["env_id"] == 0 and item["tokens"] == plain["tokens"]
+            # and the Lachesis trainer still reads such a group
+            (await call(s, "POST", url + "/scored_data", plain))
+            async with RolloutAPIClient(url) as client:
+                leased = await client.lease(batch_size=2)
+            assert not leased.rejected and leased.groups[0].trajectories[0].tokens == [1, 2, 3]
+    run(scenario())
+
+
+def test_a_restart_with_a_shorter_lease_timeout_applies_it_to_resumed_leases(
+        api_process, tmp_path):
+    db = str(tmp_path / "q.sqlite")
+
+    async def lease(url):
+        async with RolloutAPIClient(url) as client:
+            await client.register_trainer(batch_size=2, max_token_len=64)
+            await client.push_group(make_group(group_id="g"))
+            return await client.lease()
+
+    async def lease_again(url):
+        async with RolloutAPIClient(url) as client:
+            return await client.lease()
+
+    api = api_process("--db", db, "--lease-timeout-s", "3600")
+    assert run(lease(api.url)) is not None
+    api.stop()
+    api = api_process("--db", db, "--lease-timeout-s", "0.5", port=api.port)
+    assert run(lease_again(api.url)) is None  # still leased ...
+    import time
+    time.sleep(1.5)  # ... until this run's timeout, not the hour granted before
+    again = run(lease_again(api.url))
+    assert again is not None and again.groups[0].group_id == "g"
+
+
+def test_the_wire_declares_the_same_fields_as_the_data_model():
+    from environments.api.wire import _Group
+    from environments.trajectory import ScoredData
+
+    wire = set(_Group.__struct_fields__) - {"distill_token_ids", "distill_logprobs"}
+    assert wire == set(ScoredData.model_fields)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory
+from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory, TrajectoryError
 
 
 class BatchError(ValueError):
@@ -30,50 +30,45 @@ class BatchError(ValueError):
 
 def check_trajectory(t: ScoredTrajectory, where: str, *, vocab_size: int | None = None,
                      need_logprobs: bool = True) -> None:
-    """Raise :class:`BatchError` if ``t`` cannot be trained on by the RL loss."""
-    n = len(t.tokens)
-    if len(t.masks) != n:
-        raise BatchError(f"{where}: masks has {len(t.masks)} entries for {n} tokens")
+    """Raise :class:`BatchError` if ``t`` cannot be trained on by the RL loss: the data
+    contract (:meth:`ScoredTrajectory.check`, the rules the rollout API applies too), plus
+    what only the trainer knows: its model's vocabulary, and that the importance ratio
+    needs the behaviour logprobs of policy-sampled tokens."""
+    try:
+        t.check(None)
+    except TrajectoryError as error:
+        raise BatchError(f"{where}: {error}") from None
     if need_logprobs:
+        if not t.flags.trainable:
+            raise BatchError(f"{where}: marked not trainable (not sampled by the policy)")
         if t.inference_logprobs is None:
             raise BatchError(f"{where}: no inference_logprobs (needed for the importance ratio)")
-        if len(t.inference_logprobs) != n:
-            raise BatchError(f"{where}: inference_logprobs has {len(t.inference_logprobs)} "
-                             f"entries for {n} tokens")
-        bad = next((i for i, x in enumerate(t.inference_logprobs) if not math.isfinite(x)), None)
-        if bad is not None:
-            raise BatchError(f"{where}: inference_logprobs[{bad}] is {t.inference_logprobs[bad]}")
-    for i, (token, mask) in enumerate(zip(t.tokens, t.masks)):
-        if mask != MASKED and mask != token:
-            raise BatchError(f"{where}: masks[{i}] is {mask}, neither -100 nor the token {token}")
-    if t.masks and t.masks[0] != MASKED:
-        raise BatchError(f"{where}: the first token is marked trained; nothing predicts it")
-    for start in t.segment_starts or []:
-        if not 0 < start < n or t.masks[start] != MASKED:
-            raise BatchError(f"{where}: segment start {start} is not a masked token; it begins "
-                             "a new context, so nothing predicts it")
     if vocab_size is not None:
-        bad = next((i for i, x in enumerate(t.tokens) if not 0 <= x < vocab_size), None)
-        if bad is not None:
-            raise BatchError(f"{where}: tokens[{bad}] = {t.tokens[bad]} is outside the "
+        tokens = np.asarray(t.tokens)
+        bad = np.flatnonzero(tokens >= vocab_size)
+        if bad.size:
+            i = int(bad[0])
+            raise BatchError(f"{where}: tokens[{i}] = {t.tokens[i]} is outside the "
                              f"model's vocabulary ({vocab_size})")
-    if t.advantages is not None:
-        bad = next((i for i, x in enumerate(t.advantages) if not math.isfinite(x)), None)
-        if bad is not None:
-            raise BatchError(f"{where}: advantages[{bad}] is {t.advantages[bad]}")
-    scores = t.scores if isinstance(t.scores, list) else [t.scores]
-    if not all(math.isfinite(s) for s in scores):
-        raise BatchError(f"{where}: non-finite score {t.scores}")
+    values = [*(t.inference_logprobs or []), *(t.advantages or []),
+              *(t.scores if isinstance(t.scores, list) else [t.scores])]
+    if not all(math.isfinite(x) for x in values):  # the model refuses them; built by hand?
+        raise BatchError(f"{where}: non-finite logprob, advantage or score")
+
+
+def check_group(group: ScoredGroup, where: str, *, vocab_size: int | None = None,
+                need_logprobs: bool = True) -> None:
+    """:func:`check_trajectory` on every member; the error names the sequence."""
+    for i, t in enumerate(group.trajectories):
+        check_trajectory(t, f"{where} sequence {i}", vocab_size=vocab_size,
+                         need_logprobs=need_logprobs)
 
 
 def check_groups(groups: list[ScoredGroup], *, vocab_size: int | None = None,
                  need_logprobs: bool = True) -> None:
     for g, group in enumerate(groups):
-        for i, t in enumerate(group.trajectories):
-            where = f"group {g} ({group.group_id}, item {group.item_id}) sequence {i}"
-            if not t.flags.trainable and need_logprobs:
-                raise BatchError(f"{where}: marked not trainable (not sampled by the policy)")
-            check_trajectory(t, where, vocab_size=vocab_size, need_logprobs=need_logprobs)
+        check_group(group, f"group {g} ({group.group_id}, item {group.item_id})",
+                    vocab_size=vocab_size, need_logprobs=need_logprobs)
 
 
 @dataclass

@@ -5,8 +5,11 @@ One step:
 1. get a batch: lease ``batch_size`` sequences from the rollout API (acknowledged after
    the step, so a crash mid-step gets them redelivered), or read whole groups from a
    JSONL file (``--data``);
-2. check it (lengths, finite numbers, masks, trainable), compute per-token advantages per
-   group with the configured estimator (env-provided ``advantages`` win); one row per
+2. check it (the data contract, the model's vocabulary, trainable): a group that fails is
+   set aside (logged with its group id and env, counted, and acknowledged to the API as
+   a dead letter, so it is never redelivered) and the step trains on the others; compute
+   per-token advantages per group with the configured estimator (env-provided
+   ``advantages`` win); one row per
    trajectory (per segment, when it has ``segment_starts``), or per assistant turn with
    ``samples: turn_prefix``;
 3. at step 0, the alignment check: the trainer's logprobs of the sampled tokens must equal
@@ -26,7 +29,7 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +38,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from environments.api.client import RejectedGroup
 from environments.jsonl_store import read_groups
 from environments.trajectory import ScoredGroup
 from trainer.advantages import compute_group_advantages
 from trainer.batch import (
     BatchError,
     TrainBatch,
-    check_groups,
+    check_group,
     pack,
     segment_samples,
     turn_prefix_samples,
@@ -63,6 +67,8 @@ class AlignmentError(RuntimeError):
 class Batch:
     groups: list[ScoredGroup]
     lease_id: str | None = None
+    rejected: list[RejectedGroup] = field(default_factory=list)
+    """Groups set aside (they cannot be trained on); acknowledged as dead letters."""
 
 
 class JSONLBatches:
@@ -127,7 +133,9 @@ class APIBatches:
         while True:
             leased = await self.client.lease(self.config.batch_size)
             if leased is not None:
-                return Batch(leased.groups, leased.lease_id)
+                for rejected in leased.rejected:
+                    log.error("setting aside %s", rejected)
+                return Batch(leased.groups, leased.lease_id, leased.rejected)
             await asyncio.sleep(self.config.lease_poll_s)
 
 
@@ -140,15 +148,36 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
     per trajectory, or per assistant turn with ``samples: turn_prefix``. Advantages are
     computed per group on whole trajectories; a trajectory with ``segment_starts`` then
     gives one row per segment (per turn within each segment with ``turn_prefix``)."""
-    check_groups(batch.groups, vocab_size=vocab_size, need_logprobs=True)
     trajectories, advantages = [], []
     dropped = zero_variance = 0
     rewards = []
     env_metrics: dict[str, list[float]] = {}
+    trained_groups = []
     for g, group in enumerate(batch.groups):
-        result = compute_group_advantages(
-            group.trajectories, config.estimator, turn_advantage_coef=config.turn_advantage_coef,
-            gamma=config.gamma, zero_variance=config.zero_variance)
+        where = f"group {g} ({group.group_id}, env {group.env}, item {group.item_id})"
+        try:  # one bad group is set aside; the others train
+            check_group(group, where, vocab_size=vocab_size, need_logprobs=True)
+            result = compute_group_advantages(
+                group.trajectories, config.estimator,
+                turn_advantage_coef=config.turn_advantage_coef, gamma=config.gamma,
+                zero_variance=config.zero_variance)
+            group_rows, group_advantages = [], []
+            for i, (t, a) in enumerate(zip(group.trajectories,
+                                           result.advantages if result else [])):
+                if config.samples == "turn_prefix":
+                    rows, row_advantages = turn_prefix_samples(t, a, f"{where} sequence {i}")
+                elif t.segment_starts:
+                    rows, row_advantages = segment_samples(t, a)
+                else:
+                    rows, row_advantages = [t], [a]
+                group_rows += rows
+                group_advantages += row_advantages
+        except (BatchError, ValueError) as error:
+            rejected = RejectedGroup.of(group, str(error))
+            log.error("setting aside %s", rejected)
+            batch.rejected.append(rejected)
+            continue
+        trained_groups.append(group)
         rewards += [t.outcome for t in group.trajectories]
         for t in group.trajectories:
             for name, value in (t.metadata.get("metrics") or {}).items():
@@ -157,22 +186,15 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
             dropped += 1
             continue
         zero_variance += result.zero_variance
-        for i, (t, a) in enumerate(zip(group.trajectories, result.advantages)):
-            if config.samples == "turn_prefix":
-                rows, row_advantages = turn_prefix_samples(
-                    t, a, f"group {g} ({group.group_id}, item {group.item_id}) sequence {i}")
-            elif t.segment_starts:
-                rows, row_advantages = segment_samples(t, a)
-            else:
-                rows, row_advantages = [t], [a]
-            trajectories += rows
-            advantages += row_advantages
-    stats = {"reward_mean": float(np.mean(rewards)), "groups": len(batch.groups),
+        trajectories += group_rows
+        advantages += group_advantages
+    stats = {**({"reward_mean": float(np.mean(rewards))} if rewards else {}),
+             "groups": len(trained_groups), "groups_set_aside": len(batch.rejected),
              "groups_zero_variance": zero_variance, "groups_dropped": dropped,
              "rows": len(trajectories),
              "row_tokens": sum(len(t.tokens) for t in trajectories),
              **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
-    versions = [t.policy_version for g in batch.groups for t in g.trajectories
+    versions = [t.policy_version for g in trained_groups for t in g.trajectories
                 if t.policy_version is not None]
     if versions:
         stats["rollout_policy_version_min"] = min(versions)
@@ -393,7 +415,7 @@ class Progress:
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, values: dict[str, Any]) -> None:
-        fields = {"reward": f"{values['reward_mean']:.3f}",
+        fields = {"reward": f"{values.get('reward_mean', float('nan')):.3f}",
                   "loss": f"{values.get('loss', 0.0):.4f}",
                   "kl": f"{values.get('approx_kl', 0.0):.2e}",
                   "clip": f"{values.get('clip_fraction', 0.0):.3f}",
@@ -575,7 +597,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             if not leader:  # the leader acks, syncs, logs and checkpoints
                 continue
             if isinstance(source, APIBatches) and batch.lease_id is not None:
-                await source.client.ack(batch.lease_id)
+                await source.client.ack(batch.lease_id, batch.rejected)
             if managed is not None and await asyncio.to_thread(managed.ensure_running,
                                                                latest_weights):
                 values["vllm_restarts"] = managed.restarts

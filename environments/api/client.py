@@ -15,8 +15,9 @@ from typing import Any
 
 import aiohttp
 import orjson
+from pydantic import ValidationError
 
-from environments.trajectory import ScoredGroup
+from environments.trajectory import ScoredGroup, TrajectoryError
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 
@@ -31,11 +32,32 @@ class APIRequestError(RuntimeError):
 
 
 @dataclass
+class RejectedGroup:
+    """A group that cannot be trained on: where it came from and what is wrong with it."""
+
+    group_id: str
+    env: str | None
+    item_id: str | None
+    reason: str
+
+    @classmethod
+    def of(cls, group: ScoredGroup | dict[str, Any], reason: str) -> RejectedGroup:
+        get = group.get if isinstance(group, dict) else lambda k: getattr(group, k)
+        return cls(str(get("group_id")), get("env"), get("item_id"), reason)
+
+    def __str__(self) -> str:
+        return f"group {self.group_id} (env {self.env}, item {self.item_id}): {self.reason}"
+
+
+@dataclass
 class LeasedBatch:
     lease_id: str
     step: int
     policy_version: int | None
     groups: list[ScoredGroup]
+    rejected: list[RejectedGroup]
+    """Groups of the lease that do not load as :class:`ScoredGroup` (acknowledge them as
+    dead letters)."""
 
 
 class RolloutAPIClient:
@@ -143,11 +165,25 @@ class RolloutAPIClient:
                                   {"batch_size": batch_size, "trainer_id": trainer_id})
         if data["batch"] is None:
             return None
+        groups, rejected = [], []
+        for body in data["batch"]:
+            try:
+                groups.append(ScoredGroup.from_scored_data(body))
+            except (ValidationError, TrajectoryError) as error:
+                rejected.append(RejectedGroup.of(body, f"invalid group: {error}"))
         return LeasedBatch(data["lease_id"], data["step"], data.get("policy_version"),
-                           [ScoredGroup.from_scored_data(g) for g in data["batch"]])
+                           groups, rejected)
 
-    async def ack(self, lease_id: str) -> dict[str, Any]:
-        return await self.request("POST", "/ack", {"lease_id": lease_id})
+    async def ack(self, lease_id: str,
+                  dead_letters: list[RejectedGroup] | None = None) -> dict[str, Any]:
+        """Finish a lease; ``dead_letters``: its groups that could not be trained on (set
+        aside by the API with their reasons, never redelivered)."""
+        return await self.request("POST", "/ack", {"lease_id": lease_id, "dead_letters": [
+            {"group_id": r.group_id, "reason": r.reason} for r in dead_letters or []]})
+
+    async def dead_letters(self, limit: int = 100) -> dict[str, Any]:
+        """``{"total": n, "dead_letters": [{group_id, env_id, reason, trainer, at, group}]}``."""
+        return await self.request("GET", f"/dead_letters?limit={limit}")
 
     async def nack(self, lease_id: str) -> dict[str, Any]:
         return await self.request("POST", "/nack", {"lease_id": lease_id})

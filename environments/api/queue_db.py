@@ -2,8 +2,10 @@
 
 Every group the API accepts is a row of ``groups``, committed before the push is
 answered. Its ``state`` moves ``queued -> leased -> done`` (or ``dropped``, with a
-reason). The JSON body is kept until the group is done or dropped, then cleared; the row
-stays so that a retried push with the same ``group_id`` remains a no-op. Leases, env
+reason, or ``dead_letter``: a group the trainer could not train on, set aside with the
+reason in ``dead_letters``). The JSON body is kept until the group is done or dropped,
+then cleared (a dead letter keeps it, to be inspected); the row stays so that a retried
+push with the same ``group_id`` remains a no-op. Leases, env
 registrations, the trainer registration, the policy version and the counters live in the
 same file, so a restarted server resumes exactly where it stopped.
 
@@ -60,7 +62,25 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS dead_letters (
+    seq INTEGER PRIMARY KEY REFERENCES groups(seq),
+    reason TEXT NOT NULL,
+    trainer TEXT,
+    at REAL NOT NULL
+);
 """
+
+
+@dataclass
+class DeadLetter:
+    """A group the trainer refused, acknowledged and set aside (its body kept)."""
+
+    group_id: str
+    env_id: int | None
+    reason: str
+    trainer: str | None
+    at: float
+    body: bytes
 
 
 @dataclass
@@ -181,9 +201,20 @@ class QueueDB:
                             [(s,) for s in seqs])
         return bodies
 
-    def finish_lease(self, lease_id: str, done: bool, kv=None, counts=None) -> None:
-        """Acknowledge a lease (its groups are done) or give its groups back to the queue."""
+    def finish_lease(self, lease_id: str, done: bool, kv=None, counts=None,
+                     dead_letters: dict[int, str] | None = None,
+                     trainer: str | None = None) -> None:
+        """Acknowledge a lease (its groups are done, except ``dead_letters``: seq -> reason,
+        set aside with their bodies) or give its groups back to the queue."""
         with self._transaction(kv, counts) as cur:
+            if done and dead_letters:
+                now = time.time()
+                cur.executemany("UPDATE groups SET state='dead_letter', drop_reason=?, "
+                                "lease_id=NULL WHERE seq=?",
+                                [(reason, seq) for seq, reason in dead_letters.items()])
+                cur.executemany("INSERT OR REPLACE INTO dead_letters VALUES (?, ?, ?, ?)",
+                                [(seq, reason, trainer, now)
+                                 for seq, reason in dead_letters.items()])
             if done:
                 cur.execute("UPDATE groups SET state='done', body=NULL, lease_id=NULL "
                             "WHERE lease_id=?", (lease_id,))
@@ -191,6 +222,15 @@ class QueueDB:
                 cur.execute("UPDATE groups SET state='queued', lease_id=NULL "
                             "WHERE lease_id=?", (lease_id,))
             cur.execute("DELETE FROM leases WHERE lease_id=?", (lease_id,))
+
+    def dead_letters(self, limit: int) -> tuple[int, list[DeadLetter]]:
+        """How many groups were set aside, and the newest ``limit`` of them."""
+        (total,) = self.conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
+        rows = self.conn.execute(
+            "SELECT g.group_id, g.env_id, d.reason, d.trainer, d.at, g.body "
+            "FROM dead_letters d JOIN groups g ON g.seq = d.seq "
+            "ORDER BY d.at DESC, d.seq DESC LIMIT ?", (limit,)).fetchall()
+        return total, [DeadLetter(*row) for row in rows]
 
     def drop(self, seqs: Iterable[int], reason: str, kv=None, counts=None) -> None:
         with self._transaction(kv, counts) as cur:
@@ -208,7 +248,7 @@ class QueueDB:
 
     def reset(self) -> None:
         with self._transaction(None, None) as cur:
-            for table in ("groups", "leases", "envs", "kv", "counters"):
+            for table in ("dead_letters", "groups", "leases", "envs", "kv", "counters"):
                 cur.execute(f"DELETE FROM {table}")
 
     # -- helpers ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from environments.settings import load_settings
+from environments.trajectory import MAX_INT
 
 
 class Registration(BaseModel):
@@ -16,32 +17,32 @@ class Registration(BaseModel):
 
     wandb_group: str = ""
     wandb_project: str = ""
-    batch_size: int = Field(gt=0)
-    max_token_len: int = Field(gt=0)
+    batch_size: int = Field(gt=0, le=MAX_INT)
+    max_token_len: int = Field(gt=0, le=MAX_INT)
     checkpoint_dir: str = ""
-    save_checkpoint_interval: int = 0
-    starting_step: int = Field(default=0, ge=0)
-    num_steps: int = -1
+    save_checkpoint_interval: int = Field(default=0, ge=-MAX_INT, le=MAX_INT)
+    starting_step: int = Field(default=0, ge=0, le=MAX_INT)
+    num_steps: int = Field(default=-1, ge=-1, le=MAX_INT)
 
 
 class RegisterEnv(BaseModel):
     """``POST /register-env`` (Atropos fields)."""
 
-    max_token_length: int = Field(gt=0)
+    max_token_length: int = Field(gt=0, le=MAX_INT)
     desired_name: str = Field(min_length=1)
     weight: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    group_size: int = Field(gt=0)
+    group_size: int = Field(gt=0, le=MAX_INT)
     min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
 
 
 class EnvIdentifier(BaseModel):
-    env_id: int
+    env_id: int = Field(ge=0, le=MAX_INT)
 
 
 class LeaseRequest(BaseModel):
     """``POST /lease``: a batch the trainer acknowledges after its step."""
 
-    batch_size: int | None = Field(default=None, gt=0)
+    batch_size: int | None = Field(default=None, gt=0, le=MAX_INT)
     """Sequences wanted; defaults to the registered trainer's batch size."""
     trainer_id: str | None = None
 
@@ -50,8 +51,25 @@ class LeaseId(BaseModel):
     lease_id: str
 
 
+class DeadLetterRequest(BaseModel):
+    """A leased group the trainer could not train on: set aside, not redelivered."""
+
+    group_id: str = Field(min_length=1, max_length=200)
+    reason: str = Field(min_length=1, max_length=10_000)
+    """What is wrong with it (the trainer's error), shown by ``/dead_letters`` and
+    ``lachesis inspect --dead-letters``."""
+
+
+class Ack(BaseModel):
+    """``POST /ack``: the trainer is done with a lease."""
+
+    lease_id: str
+    dead_letters: list[DeadLetterRequest] = Field(default_factory=list)
+    """Groups of the lease that could not be trained on; the rest were trained."""
+
+
 class PolicyVersion(BaseModel):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT)
 
 
 class APIConfig(BaseModel):
@@ -72,7 +90,8 @@ class APIConfig(BaseModel):
     max_body_mb: float = Field(default=64.0, gt=0)
     """Largest accepted request body (after gzip decompression), in MiB."""
     lease_timeout_s: float = Field(default=600.0, gt=0)
-    """An unacknowledged lease is redelivered after this long."""
+    """An unacknowledged lease is redelivered after this long. A server restarted with a
+    shorter timeout applies it to the leases it resumes too (from the restart)."""
     max_staleness: int | None = Field(default=None, ge=0)
     """Drop groups generated more than this many policy versions ago (None: never)."""
 

@@ -9,6 +9,9 @@ adds what Atropos lacks:
 * at-least-once delivery: ``POST /lease`` hands out a batch under a lease that the
   trainer acknowledges (``POST /ack``) after its step; an unacknowledged lease is
   redelivered after ``lease_timeout_s``;
+* dead letters: a leased group the trainer cannot train on (e.g. token ids outside its
+  model's vocabulary) is named in the ack with its reason and set aside, with its body,
+  instead of being redelivered forever (``GET /dead_letters``, counted in ``/status``);
 * idempotent pushes (client-chosen ``group_id``), policy versions with a staleness bound,
   per-turn scores, counters of everything received, served and dropped (and why);
 * envs may register before the trainer; nothing changes state on GET except Atropos's
@@ -23,6 +26,7 @@ together (group commit), so durability costs one fsync per burst, not per group.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -40,6 +44,7 @@ from pydantic import BaseModel, ValidationError
 from environments.api.batching import QueuedGroup, select_batch
 from environments.api.queue_db import LeaseRow, QueueDB
 from environments.api.schemas import (
+    Ack,
     APIConfig,
     EnvIdentifier,
     LeaseId,
@@ -60,9 +65,12 @@ class APIError(Exception):
     """An error answered as JSON: ``{"error": message, "field": field?}``."""
 
     def __init__(self, status: int, message: str, field: str | None = None,
-                 counter: str | None = None, **extra: Any):
+                 counter: str | None = None, close: bool = False, **extra: Any):
         super().__init__(message)
         self.status, self.message, self.field, self.counter = status, message, field, counter
+        self.close = close
+        """Answer with ``Connection: close``: the rest of the request body was not read,
+        so the connection cannot carry another request."""
         self.extra = extra
 
 
@@ -100,9 +108,10 @@ class RolloutAPI:
         self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-db")
         loaded = self.db.load()
         self.queue: dict[int, QueuedGroup] = {g.seq: g for g in loaded.queue}
+        latest_expiry = time.time() + config.lease_timeout_s  # this run's timeout applies
         self.leases: dict[str, Lease] = {
-            row.lease_id: Lease(row.lease_id, row.trainer, row.expires_at, row.step,
-                                [loaded.leased_groups[s] for s in row.group_seqs])
+            row.lease_id: Lease(row.lease_id, row.trainer, min(row.expires_at, latest_expiry),
+                                row.step, [loaded.leased_groups[s] for s in row.group_seqs])
             for row in loaded.leases}
         self.envs: dict[int, EnvRecord] = {
             env_id: EnvRecord(**record) for env_id, record in loaded.envs.items()}
@@ -303,7 +312,9 @@ class RolloutAPI:
         self.leases[lease.lease_id] = lease
         return lease, bodies
 
-    async def ack(self, lease_id: str) -> None:
+    async def ack(self, lease_id: str, dead_letters: dict[str, str] | None = None) -> None:
+        """Finish a lease: its groups are done, except ``dead_letters`` (group id ->
+        reason), which are set aside with their bodies and never redelivered."""
         if lease_id in self._recent_acks:  # a retried ack whose answer was lost
             return
         lease = self.leases.get(lease_id)
@@ -312,11 +323,27 @@ class RolloutAPI:
             raise APIError(409, f"lease {lease_id!r} is not active: it expired (and its "
                                 "groups were redelivered), was acknowledged already, or "
                                 "never existed", field="lease_id")
+        by_id = {g.group_id: g for g in lease.groups}
+        dead_letters = dead_letters or {}
+        for i, group_id in enumerate(dead_letters):
+            if group_id not in by_id:
+                self.count_rejection("invalid")
+                raise APIError(422, f"group {group_id!r} is not part of lease {lease_id!r}",
+                               field=f"dead_letters[{i}].group_id")
+        dead = {by_id[g].seq: reason for g, reason in dead_letters.items()}
+        for group_id, reason in dead_letters.items():
+            log.warning("dead letter: group %s (env_id %s) set aside by trainer %s: %s",
+                        group_id, by_id[group_id].env_id, lease.trainer, reason)
         del self.leases[lease_id]
+        n_dead = sum(by_id[g].n_sequences for g in dead_letters)
         try:
-            await self._write(self.db.finish_lease, lease_id, True,
-                              kv={"step": self.step + 1},
-                              counts={"acked_leases": 1, "acked_groups": len(lease.groups)})
+            finish = functools.partial(self.db.finish_lease, dead_letters=dead,
+                                       trainer=lease.trainer)
+            await self._write(finish, lease_id, True, kv={"step": self.step + 1},
+                              counts={"acked_leases": 1,
+                                      "acked_groups": len(lease.groups) - len(dead),
+                                      "dead_lettered_groups": len(dead),
+                                      "dead_lettered_sequences": n_dead})
         except BaseException:
             self.leases[lease_id] = lease
             raise
@@ -344,8 +371,26 @@ class RolloutAPI:
             "policy_version": self.policy_version,
             "trainer_registered": self.trainer is not None,
             "durable": not self.config.in_memory,
+            "dead_letters": self.counters.get("dead_lettered_groups", 0),
             "counters": dict(sorted(self.counters.items())),
         }
+
+    def why_no_batch(self, batch_size: int) -> str:
+        """Why ``/lease`` or ``/batch`` found no batch of ``batch_size`` sequences."""
+        groups = list(self.queue.values())
+        queued = sum(g.n_sequences for g in groups)
+        if not groups:
+            return "no groups queued"
+        if queued < batch_size:
+            return (f"{queued} sequences queued (in {len(groups)} groups), fewer than "
+                    f"batch_size {batch_size}: waiting for more")
+        fitting = [g for g in groups if g.n_sequences <= batch_size]
+        if sum(g.n_sequences for g in fitting) < batch_size:
+            return (f"{queued} sequences queued, but only "
+                    f"{sum(g.n_sequences for g in fitting)} in groups that fit in "
+                    f"batch_size {batch_size}")
+        return (f"{queued} sequences queued, but an env's min_batch_allocation is not met "
+                "yet: waiting for its groups")
 
     def env_status(self, env_id: int) -> dict[str, Any]:
         env = self.envs.get(env_id)
@@ -379,17 +424,17 @@ async def read_body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         api.count_rejection("too_large")
         raise APIError(413, f"request body of {request.content_length} bytes exceeds "
-                            f"the {limit}-byte limit (max_body_mb)")
+                            f"the {limit}-byte limit (max_body_mb)", field="body", close=True)
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         api.count_rejection("too_large")
         raise APIError(413, f"request body exceeds the {limit}-byte limit (max_body_mb, "
-                            "after decompression)") from None
+                            "after decompression)", field="body", close=True) from None
     except Exception as error:  # broken gzip stream and the like
         api.count_rejection("malformed")
         raise APIError(400, f"unreadable request body ({type(error).__name__}: {error})",
-                       field="body") from None
+                       field="body", close=True) from None
 
 
 async def parse(request: web.Request, model: type[M], allow_empty: bool = False) -> M:
@@ -424,7 +469,10 @@ async def errors_as_json(request: web.Request, handler):
     except APIError as error:
         body = {"error": error.message, **({"field": error.field} if error.field else {}),
                 **error.extra}
-        return json_response(body, error.status)
+        response = json_response(body, error.status)
+        if error.close:
+            response.force_close()
+        return response
     except web.HTTPException as error:  # 404, 405 from routing
         return json_response({"error": error.reason}, error.status)
     except Exception as error:
@@ -468,7 +516,10 @@ async def handle_batch(request: web.Request) -> web.Response:
     if api.trainer is None:
         return json_response({"status": "error", "batch": [],
                               "message": "Trainer not registered. Call /register first."}, 409)
-    return batch_body(await api.take_batch(api.trainer.batch_size))
+    bodies = await api.take_batch(api.trainer.batch_size)
+    if bodies is None:
+        return batch_body(None, reason=api.why_no_batch(api.trainer.batch_size))
+    return batch_body(bodies)
 
 
 async def handle_lease(request: web.Request) -> web.Response:
@@ -480,7 +531,8 @@ async def handle_lease(request: web.Request) -> web.Response:
                        field="batch_size")
     leased = await api.lease_batch(batch_size, req.trainer_id)
     if leased is None:
-        return batch_body(None, lease_id=None, step=api.step)
+        return batch_body(None, lease_id=None, step=api.step,
+                          reason=api.why_no_batch(batch_size))
     lease, bodies = leased
     return batch_body(bodies, lease_id=lease.lease_id, step=api.step,
                       expires_at=lease.expires_at, policy_version=api.policy_version)
@@ -488,9 +540,27 @@ async def handle_lease(request: web.Request) -> web.Response:
 
 async def handle_ack(request: web.Request) -> web.Response:
     api = request.app[API_KEY]
-    req = await parse(request, LeaseId)
-    await api.ack(req.lease_id)
-    return json_response({"status": "acked", "current_step": api.step})
+    req = await parse(request, Ack)
+    await api.ack(req.lease_id, {d.group_id: d.reason for d in req.dead_letters})
+    return json_response({"status": "acked", "current_step": api.step,
+                          "dead_lettered": len(req.dead_letters)})
+
+
+async def handle_dead_letters(request: web.Request) -> web.Response:
+    """``GET /dead_letters?limit=N``: the newest groups set aside, with reasons and bodies."""
+    api = request.app[API_KEY]
+    try:
+        limit = int(request.query.get("limit", "100"))
+        if not 0 <= limit <= 100_000:
+            raise ValueError
+    except ValueError:
+        raise APIError(422, "limit must be an integer from 0 to 100000", field="limit") from None
+    total, rows = await api._in_db_thread(api.db.dead_letters, limit)
+    items = [orjson.dumps({"group_id": d.group_id, "env_id": d.env_id, "reason": d.reason,
+                           "trainer": d.trainer, "at": d.at})[:-1] + b',"group":' + d.body + b"}"
+             for d in rows]
+    return web.Response(body=b'{"total":' + str(total).encode() + b',"dead_letters":['
+                        + b",".join(items) + b"]}", content_type="application/json")
 
 
 async def handle_nack(request: web.Request) -> web.Response:
@@ -622,6 +692,7 @@ def build_app(config: APIConfig) -> web.Application:
         web.post("/lease", handle_lease),
         web.post("/ack", handle_ack),
         web.post("/nack", handle_nack),
+        web.get("/dead_letters", handle_dead_letters),
         web.post("/policy_version", handle_policy_version),
         web.get("/counters", get(lambda api: dict(sorted(api.counters.items())))),
     ])

@@ -6,58 +6,88 @@ to know that each token/mask array *is* a JSON list of integers and how long it 
 decodes those arrays as ``msgspec.Raw`` byte spans and checks them at C speed:
 
     a syntactically valid JSON array whose bytes are only digits, ``-``, ``,`` and
-    whitespace is a list of integers, and its length is (number of commas) + 1.
+    whitespace is a list of integers; numpy parses it into an int64 array in C.
 
-Everything else (scores, spans, float arrays, messages, flags) is decoded and checked in
+The token values are then checked by the same :func:`check_token_values` that
+:class:`~environments.trajectory.ScoredTrajectory` applies (ids in range, each mask the
+token id or -100). Everything else (scores, spans, float arrays, messages, flags) is decoded and checked in
 full, and the shape rules are the very same :func:`check_parallel_lists` that
 :class:`~environments.trajectory.ScoredData` applies, so a body is accepted here exactly
 when ``ScoredData.model_validate_json`` accepts it (tests hold the two side by side).
-The accepted body is stored as received and served to trainers byte for byte.
+The accepted body is stored as received and served to trainers byte for byte, except
+that the Atropos keys it leaves out are added as ``null`` (Atropos trainers index every
+key, e.g. ``item["overrides"]``), and a ``group_id`` is added when it has none.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+import numpy as np
+from msgspec import UNSET, UnsetType
 from pydantic import TypeAdapter, ValidationError
 
 from environments.trajectory import (
+    FREE_FORM_FIELDS,
+    MAX_INT,
     Message,
     TrajectoryError,
     TrajectoryFlags,
+    check_depth,
     check_parallel_lists,
+    check_token_values,
     field_path,
     new_group_id,
 )
 
+_Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]  # = trajectory.Id
+
 
 class _Group(msgspec.Struct):
+    """:class:`~environments.trajectory.ScoredData` as msgspec decodes it (a test holds the
+    two field lists equal). ``UNSET``: the key was absent (Atropos keys are then added as
+    null to the stored body)."""
+
     tokens: list[msgspec.Raw]
     masks: list[msgspec.Raw]
     scores: list[float]
-    advantages: list[msgspec.Raw] | None = None
-    ref_logprobs: list[msgspec.Raw] | None = None
-    messages: list[list[dict[str, Any]]] | None = None
-    generation_params: dict[str, Any] | None = None
-    inference_logprobs: list[msgspec.Raw] | None = None
-    overrides: list[dict[str, Any]] | None = None
-    group_overrides: dict[str, Any] | None = None
-    images: Any = None
-    env_id: int | None = None
+    advantages: list[msgspec.Raw] | None | UnsetType = UNSET
+    ref_logprobs: list[msgspec.Raw] | None | UnsetType = UNSET
+    messages: list[list[dict[str, Any]]] | None | UnsetType = UNSET
+    generation_params: dict[str, Any] | None | UnsetType = UNSET
+    inference_logprobs: list[msgspec.Raw] | None | UnsetType = UNSET
+    overrides: list[dict[str, Any]] | None | UnsetType = UNSET
+    group_overrides: dict[str, Any] | None | UnsetType = UNSET
+    images: list[Any] | None | UnsetType = UNSET
+    env_id: _Id | None | UnsetType = UNSET
     group_id: str | None = None
     env: str | None = None
     item_id: str | None = None
     turn_scores: list[list[float] | None] | None = None
     turn_spans: list[list[list[int]] | None] | None = None
-    policy_versions: list[int | None] | None = None
-    turn_policy_versions: list[list[int] | None] | None = None
+    policy_versions: list[_Id | None] | None = None
+    turn_policy_versions: list[list[_Id] | None] | None = None
     segment_starts: list[list[int] | None] | None = None
     flags: list[dict[str, Any]] | None = None
     trajectory_metadata: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
+    # Atropos's distillation data: stored and served as sent, not read by Lachesis.
+    distill_token_ids: msgspec.Raw | UnsetType = UNSET
+    distill_logprobs: msgspec.Raw | UnsetType = UNSET
+
+
+_GROUP_FIELDS = _Group.__struct_fields__
+ATROPOS_OPTIONAL_KEYS = ("advantages", "ref_logprobs", "messages", "generation_params",
+                         "inference_logprobs", "overrides", "group_overrides", "images",
+                         "env_id", "distill_token_ids", "distill_logprobs")
+"""The optional keys of atroposlib 0.4.0's ``ScoredData``: its ``GET /batch`` returns
+every one of them (null where absent), and Atropos trainers rely on that. The two
+``distill_*`` keys are Atropos's on-policy distillation data, which Lachesis stores and
+serves as sent but does not read."""
 
 
 _GROUP = msgspec.json.Decoder(_Group)
@@ -90,11 +120,15 @@ class AcceptedGroup:
     body: bytes
 
 
-def _int_array_length(raw: msgspec.Raw, field: str) -> int:
+def _int_array(raw: msgspec.Raw, field: str) -> np.ndarray:
+    """A JSON list of integers (already known to be valid JSON) as an int64 array;
+    integers beyond int64 become its bounds, which the range checks then refuse."""
     data = bytes(raw)
     if data[:1] != b"[" or data[1:-1].translate(None, _INT_ARRAY_BYTES):
         raise WireError(field, "must be a list of integers")
-    return data.count(b",") + 1 if data[1:-1].strip() else 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return np.fromstring(data[1:-1], dtype=np.int64, sep=",")
 
 
 def _float_array_length(raw: msgspec.Raw, field: str) -> int:
@@ -126,6 +160,54 @@ def _pydantic_field(prefix: str, error: ValidationError) -> tuple[str, str]:
     return field_path(first["loc"], prefix), first["msg"]
 
 
+def too_deep(body: bytes, limit: int = 200) -> str:
+    """The field of a JSON ``body`` where nesting first goes past ``limit`` levels, as
+    ``metadata`` or ``[3].metadata`` (a list of groups); ``body`` if it is not inside
+    one. A plain scan, used only when a decoder has already hit its recursion limit."""
+    path: list[str] = []  # per open container: the current key (object) or index (array)
+    kinds: list[int] = []
+    in_string = escaped = False
+    key_start = -1
+    for i, c in enumerate(body):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # closing quote
+                in_string = False
+                if key_start >= 0:
+                    path[-1] = body[key_start:i].decode(errors="replace")
+                    key_start = -1
+            continue
+        if c == 0x22:
+            in_string = True
+            if kinds and kinds[-1] == 0x7B and expecting_key:
+                key_start, expecting_key = i + 1, False
+        elif c in (0x7B, 0x5B):  # { [
+            kinds.append(c)
+            path.append("" if c == 0x7B else "0")
+            expecting_key = c == 0x7B
+            if len(kinds) > limit:
+                break
+        elif c in (0x7D, 0x5D):
+            kinds.pop()
+            path.pop()
+        elif c == 0x2C and kinds:  # comma: next key or index
+            if kinds[-1] == 0x7B:
+                expecting_key = True
+            else:
+                path[-1] = str(int(path[-1]) + 1)
+    else:
+        return "body"
+    field = ""
+    for kind, part in zip(kinds[:2], path[:2]):
+        field += f"[{part}]" if kind == 0x5B else f".{part}"
+        if kind == 0x7B and field.lstrip("."):
+            break  # the top-level key of the (first) object names the field
+    return field.lstrip(".") or "body"
+
+
 def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
     """Validate one Atropos/Lachesis ``ScoredData`` JSON body.
 
@@ -138,12 +220,22 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
         raise WireError(where + _msgspec_field(error), message) from None
     except msgspec.DecodeError as error:
         raise WireError(where.rstrip(".") or "body", f"malformed JSON ({error})", status=400) from None
+    except RecursionError:
+        raise WireError(where + too_deep(bytes(body)), "JSON nested too deeply") from None
+    present = {name: value for name in _GROUP_FIELDS
+               if (value := getattr(group, name)) is not UNSET}
 
     if not group.tokens:
         raise WireError(where + "tokens", "must hold at least one sequence")
     if group.group_id is not None and not 0 < len(group.group_id) <= MAX_GROUP_ID_LENGTH:
         raise WireError(where + "group_id", f"must be 1 to {MAX_GROUP_ID_LENGTH} characters")
-    for field, values, adapter in (("messages", group.messages, _MESSAGES),
+    get = lambda name: present.get(name)  # noqa: E731  (absent = None from here on)
+    try:
+        for name in FREE_FORM_FIELDS:
+            check_depth(get(name), name)
+    except TrajectoryError as error:
+        raise WireError(where + error.field, error.message) from None
+    for field, values, adapter in (("messages", get("messages"), _MESSAGES),
                                    ("flags", group.flags, _FLAGS)):
         if values is not None:
             try:
@@ -151,34 +243,43 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
             except ValidationError as error:
                 raise WireError(*_pydantic_field(where + field, error)) from None
     try:
+        tokens = [_int_array(raw, f"tokens[{i}]") for i, raw in enumerate(group.tokens)]
+        masks = [_int_array(raw, f"masks[{i}]") for i, raw in enumerate(group.masks)]
         check_parallel_lists(
-            n_tokens=_lengths(group.tokens, "tokens", _int_array_length),
-            n_masks=_lengths(group.masks, "masks", _int_array_length),
-            n_logprobs=_lengths(group.inference_logprobs, "inference_logprobs", _float_array_length),
-            n_advantages=_lengths(group.advantages, "advantages", _float_array_length),
-            n_ref_logprobs=_lengths(group.ref_logprobs, "ref_logprobs", _float_array_length),
+            n_tokens=[len(t) for t in tokens],
+            n_masks=[len(m) for m in masks],
+            n_logprobs=_lengths(get("inference_logprobs"), "inference_logprobs", _float_array_length),
+            n_advantages=_lengths(get("advantages"), "advantages", _float_array_length),
+            n_ref_logprobs=_lengths(get("ref_logprobs"), "ref_logprobs", _float_array_length),
             scores=group.scores,
             turn_scores=group.turn_scores,
             turn_spans=group.turn_spans,
             turn_policy_versions=group.turn_policy_versions,
             segment_starts=group.segment_starts,
-            per_sequence={"messages": group.messages, "overrides": group.overrides,
+            per_sequence={"messages": get("messages"), "overrides": get("overrides"),
                           "policy_versions": group.policy_versions, "flags": group.flags,
-                          "trajectory_metadata": group.trajectory_metadata},
+                          "trajectory_metadata": group.trajectory_metadata,
+                          "images": get("images")},
         )
+        for i, (t, m) in enumerate(zip(tokens, masks)):
+            check_token_values(i, t, m, group.segment_starts[i] if group.segment_starts else None)
     except (TrajectoryError, WireError) as error:
         raise WireError(where + error.field, error.message) from None
 
     data = bytes(body).strip()
+    head = b"".join(b'"' + name.encode() + b'":null,' for name in ATROPOS_OPTIONAL_KEYS
+                    if name not in present)
     group_id = group.group_id
     if group_id is None:  # Atropos envs send no id: give the group one, inside its body.
         group_id = new_group_id()
-        data = b'{"group_id":"' + group_id.encode() + b'",' + data[1:].lstrip()
+        head = b'"group_id":"' + group_id.encode() + b'",' + head
+    if head:
+        data = b"{" + head + data[1:].lstrip()
     versions = [v for v in (group.policy_versions or []) if v is not None]
     versions += [v for vs in (group.turn_policy_versions or []) if vs for v in vs]
     return AcceptedGroup(
         group_id=group_id,
-        env_id=group.env_id,
+        env_id=get("env_id"),
         n_sequences=len(group.tokens),
         policy_version=min(versions) if versions else None,
         body=data,
@@ -189,6 +290,8 @@ def decode_group_list(body: bytes) -> list[AcceptedGroup]:
     """Validate a JSON list of groups (``/scored_data_list``); all or nothing."""
     try:
         raws = _GROUP_LIST.decode(body)
+    except RecursionError:
+        raise WireError(too_deep(body), "JSON nested too deeply") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise WireError("body", f"must be a JSON list of groups ({error})", status=400) from None
     if not raws:

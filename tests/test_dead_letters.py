@@ -1,0 +1,64 @@
+"""A poison group never stops training: the trainer sets it aside, the API keeps it as a
+dead letter (never redelivered), and training goes on with the good groups."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from conftest import make_group, running_api
+from environments.api.client import RolloutAPIClient
+from trainer.config import TrainConfig
+from trainer.train import train
+from vllm_fixture import tiny_model_dir  # noqa: F401
+
+
+def test_trainer_sets_a_poison_group_aside_and_trains_on_the_rest(tiny_model_dir, tmp_path):
+    async def scenario():
+        async with running_api(lease_timeout_s=2.0) as (url, api):
+            async with RolloutAPIClient(url) as client:
+                groups = [make_group(2, seed=s) for s in range(4)]
+                for g in groups:
+                    g.env, g.item_id = "arith", f"item-{g.group_id[:4]}"
+                poison = groups[1]
+                # Valid for the data contract (the API takes it), but token 5000 is
+                # outside the tiny model's vocabulary: only the trainer can tell.
+                t = poison.trajectories[1]
+                poison.trajectories[1] = t.model_copy(update={
+                    "tokens": t.tokens[:3] + [5000] + t.tokens[4:],
+                    "masks": t.masks[:3] + [5000] + t.masks[4:]})
+                for g in groups:
+                    assert (await client.push_group(g))["duplicate"] is False
+
+            config = TrainConfig(model=str(tiny_model_dir), api_url=url, batch_size=4,
+                                 micro_batch_size=4, steps=2, lr=1e-3, check_alignment=False,
+                                 run_dir=tmp_path / "run", tensorboard=False,
+                                 max_token_length=64, lease_poll_s=0.05)
+            summary = await train(config)
+            assert summary["last_step"] == 2
+
+            status = api.status()
+            assert status["dead_letters"] == 1 and status["queue_size"] == 0
+            assert status["active_leases"] == 0  # acknowledged, not left to expire
+            assert status["counters"]["acked_groups"] == 3
+            await asyncio.sleep(2.5)  # past the lease timeout: nothing is redelivered
+            assert api.status()["queue_size"] == 0
+
+            async with aiohttp.ClientSession() as s, s.get(url + "/dead_letters") as r:
+                letters = await r.json()
+            assert letters["total"] == 1
+            (letter,) = letters["dead_letters"]
+            assert letter["group_id"] == poison.group_id
+            assert "tokens[3] = 5000 is outside the model's vocabulary" in letter["reason"]
+            assert "env arith" in letter["reason"] and "sequence 1" in letter["reason"]
+            assert letter["group"]["tokens"][1][3] == 5000  # kept, to be inspected
+
+            steps = [json.loads(line) for line in
+                     (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+            assert [s["groups"] for s in steps] == [1, 2]
+            assert [s["groups_set_aside"] for s in steps] == [1, 0]
+            assert all(s["trained_tokens"] > 0 for s in steps)
+
+    asyncio.run(scenario())
