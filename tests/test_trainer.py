@@ -8,6 +8,7 @@ import json
 
 import pytest
 import requests
+from pydantic import ValidationError
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -126,9 +127,8 @@ def test_bad_batches_are_refused_with_the_place_named(rollouts, tmp_path):
         check_groups(groups)
     groups = list(read_groups(rollouts))
     t = groups[0].trajectories[0]
-    t.masks = [t.tokens[0]] + t.masks[1:]
-    with pytest.raises(BatchError, match="first token is marked trained"):
-        check_groups(groups)
+    with pytest.raises(ValidationError, match="first token must be masked"):
+        t.masks = [t.tokens[0]] + t.masks[1:]  # the data contract refuses it
     # NaN never gets in: the JSONL reader refuses the line and names it
     bad = tmp_path / "bad.jsonl"
     lines = rollouts.read_text().splitlines()
