@@ -229,10 +229,12 @@ def _add_filter_flags(p: argparse.ArgumentParser) -> None:
 
 def _inspection_inputs(prog: str, args: argparse.Namespace):
     """(Filter, TokenDecoder), or None after printing what is wrong."""
-    from environments.inspection.data import Filter, TokenDecoder
+    from environments.inspection.data import Filter, SourceError, TokenDecoder, jsonl_files
 
-    if not args.file.is_file():
-        print(f"{prog}: {args.file}: no such file", file=sys.stderr)
+    try:
+        jsonl_files(args.file)
+    except SourceError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
         return None
     try:
         decoder = TokenDecoder.load(args.tokenizer)
@@ -243,13 +245,17 @@ def _inspection_inputs(prog: str, args: argparse.Namespace):
                   flags=tuple(args.flags)), decoder
 
 
+SOURCE_HELP = ("JSONL file, one scored group per line; or a directory: its *.jsonl files in "
+               "name order (a `lachesis run` directory: its trajectories/)")
+
+
 def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "inspect", help="show scored groups of a JSONL file in the terminal",
         description="Show the groups of a JSONL file of scored groups: messages turn by turn "
                     "with each assistant turn's score, advantages, tokens and flags. Bad lines "
-                    "are reported with their line numbers and skipped.")
-    p.add_argument("file", type=Path, help="JSONL file, one scored group per line")
+                    "are reported with their file and line numbers and skipped.")
+    p.add_argument("file", type=Path, help=SOURCE_HELP)
     p.add_argument("--group", metavar="N|ID",
                    help="show only this group: its index in the file (from 0) or its group id; "
                         "filters do not apply")
@@ -287,8 +293,10 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
                     "groups with their score spread, members side by side, per-turn scores, "
                     "and a token view. Large files are streamed; when the groups do not all "
                     "fit in --max-groups / --max-mb, a sample is embedded and the page says so.")
-    p.add_argument("file", type=Path, help="JSONL file, one scored group per line")
-    p.add_argument("-o", "--out", type=Path, help="HTML file to write (default: FILE.html)")
+    p.add_argument("file", type=Path, help=SOURCE_HELP)
+    p.add_argument("-o", "--out", type=Path,
+                   help="HTML file to write (default: FILE.html; for a directory, "
+                        "DIR/report.html)")
     p.add_argument("--max-groups", type=int, default=1000,
                    help="groups embedded in the page at most (default 1000)")
     p.add_argument("--max-mb", type=float, default=100.0,
@@ -319,7 +327,8 @@ def _run_report(args: argparse.Namespace) -> int:
         print(f"lachesis report: {error}", file=sys.stderr)
         return 1
     for bad in result.bad_lines_list:
-        print(f"{args.file}:{bad.line_no}: {bad.message} (skipped)", file=sys.stderr)
+        print(f"{bad.path or args.file}:{bad.line_no}: {bad.message} (skipped)",
+              file=sys.stderr)
     print(json.dumps(result.as_dict(), indent=2))
     return 0 if result.groups or not result.bad_lines else 1
 

@@ -337,3 +337,70 @@ def test_report_in_headless_chromium(tmp_path, tiny_model_dir):
             browser.close()
     assert errors == []
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_a_directory_is_read_file_by_file_in_name_order(tmp_path, capsys):
+    groups = sample_groups()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "b.jsonl").write_text(groups[2].model_dump_json() + "\n")
+    (logs / "a.jsonl").write_bytes(groups[0].model_dump_json().encode() + b"\n\xff\xd8\xff\n"
+                                   + groups[1].model_dump_json().encode() + b"\n")
+    (logs / "notes.txt").write_text("not a JSONL file\n")
+    assert main(["inspect", str(logs), "--limit", "0"]) == 0
+    out, err = capsys.readouterr()
+    first, second, third = (out.index(f"group #{i} · ") for i in range(3))
+    assert first < second < third
+    assert "group #0 · a.jsonl:1 · reverse_word" in out
+    assert "group #1 · a.jsonl:3 · reverse_word" in out
+    assert "group #2 · b.jsonl:1 · arithmetic_tool" in out
+    assert f"{logs / 'a.jsonl'}:2: not UTF-8 text: byte 0xff at byte 1" in err
+    assert "1 bad line skipped" in err
+
+    assert main(["inspect", str(logs), "--stats"]) == 0
+    assert re.search(r"groups\s+3 \(filter: none\)", capsys.readouterr().out)
+
+    assert main(["report", str(logs)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{logs / 'a.jsonl'}:2: not UTF-8 text" in err
+    page = (logs / "report.html").read_text()
+    assert "(2 files: a.jsonl, b.jsonl)" in page
+    assert '"a.jsonl:3"' in page and '"b.jsonl:1"' in page  # the list's location column
+    assert "<code>a.jsonl:2</code>: not UTF-8 text" in page
+
+    # a `lachesis run` directory: its trajectories/
+    run = tmp_path / "runs" / "demo"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "logs").mkdir()
+    (run / "trajectories" / "reverse_word.jsonl").write_text(
+        groups[1].model_dump_json() + "\n")
+    assert main(["inspect", str(run)]) == 0
+    assert "group #0 · reverse_word.jsonl:1 · reverse_word · item loom" in capsys.readouterr().out
+
+    # nothing to read: the error names the path and says why
+    assert main(["inspect", str(run / "logs")]) == 2
+    assert f"{run / 'logs'}: a directory without *.jsonl files" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert f"{tmp_path / 'missing'}: no such file or directory" in capsys.readouterr().err
+
+
+def test_binary_garbage_is_named_by_file_and_line_and_the_good_groups_are_kept(tmp_path,
+                                                                              capsys):
+    path = tmp_path / "mixed.jsonl"
+    groups = sample_groups()
+    path.write_bytes(groups[0].model_dump_json().encode() + b"\n"
+                     + bytes(range(256)).replace(b"\n", b"") + b"\n"
+                     + groups[1].model_dump_json().encode() + b"\n")
+    assert main(["inspect", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "group #0 · line 1" in out and "group #1 · line 3" in out
+    assert f"{path}:2: not UTF-8 text: byte 0x80 at byte 128 of the line" in err
+    assert "surrogates" not in err and "1 bad line skipped" in err
+    assert main(["report", str(path)]) == 0
+    assert f"{path}:2: not UTF-8 text" in capsys.readouterr().err
+
+    garbage = tmp_path / "garbage.jsonl"  # nothing but binary data: status 1
+    garbage.write_bytes(bytes(range(128, 256)) * 3 + b"\n")
+    assert main(["inspect", str(garbage)]) == 1
+    assert f"{garbage}:1: not UTF-8 text: byte 0x80 at byte 1" in capsys.readouterr().err
+

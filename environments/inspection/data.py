@@ -83,14 +83,42 @@ class Filter:
         return ", ".join(parts) if parts else "none"
 
 
+class SourceError(ValueError):
+    """A path that ``inspect`` / ``report`` cannot read groups from."""
+
+
+def jsonl_files(path: str | Path) -> list[Path]:
+    """The JSONL files behind ``path``: the file itself, or a directory's ``*.jsonl`` files
+    in name order. A directory without any that has a ``trajectories/`` directory with
+    some (a ``lachesis run`` directory, ``runs/NAME``) gives those. Raises
+    :class:`SourceError` naming the path when there is nothing to read."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        for directory in (path, path / "trajectories"):
+            files = sorted(p for p in directory.glob("*.jsonl") if p.is_file())
+            if files:
+                return files
+        raise SourceError(f"{path}: a directory without *.jsonl files (and without a "
+                          "trajectories/ directory holding some, as a `lachesis run` "
+                          "directory has)")
+    if path.exists():
+        raise SourceError(f"{path}: not a regular file or a directory")
+    raise SourceError(f"{path}: no such file or directory")
+
+
 @dataclass
 class Match:
     """A group read from the file, with its position and which trajectories matched."""
 
     index: int
-    """The group's position among the file's valid groups, from 0 (``--group N``)."""
+    """The group's position among the valid groups of the file (or of the directory's
+    files, in name order), from 0 (``--group N``)."""
     located: LocatedGroup
     matching: list[int]
+    from_directory: bool = False
+    """Read from one of a directory's files: its location names the file."""
 
     @property
     def group(self) -> ScoredGroup:
@@ -100,16 +128,29 @@ class Match:
     def line_no(self) -> int:
         return self.located.line_no
 
+    @property
+    def location(self) -> str:
+        """``line N``, or ``FILE.jsonl:N`` for a group read from a directory."""
+        if self.from_directory:
+            return f"{self.located.path.name}:{self.line_no}"
+        return f"line {self.line_no}"
+
 
 def scan(path: str | Path, filter: Filter | None = None,
          report: ReadReport | None = None) -> Iterator[Match]:
-    """Stream the groups of ``path`` that have a matching trajectory; bad lines go to
-    ``report.bad_lines`` (with their line numbers) and are skipped."""
+    """Stream the groups of ``path`` (a JSONL file, or a directory: see :func:`jsonl_files`)
+    that have a matching trajectory; bad lines go to ``report.bad_lines`` (with their file
+    and line number) and are skipped."""
     filter = filter or Filter()
-    for index, located in enumerate(iter_located_groups(path, skip_bad=True, report=report)):
-        matching = filter.matching(located.group)
-        if matching:
-            yield Match(index, located, matching)
+    files = jsonl_files(path)
+    from_directory = Path(path).is_dir()
+    index = 0
+    for file in files:
+        for located in iter_located_groups(file, skip_bad=True, report=report):
+            matching = filter.matching(located.group)
+            if matching:
+                yield Match(index, located, matching, from_directory)
+            index += 1
 
 
 # -- one group, one trajectory ---------------------------------------------------------------
@@ -128,6 +169,8 @@ class GroupSummary:
 
     index: int
     line_no: int
+    location: str
+    """``line N``, or ``FILE.jsonl:N`` for a group read from a directory."""
     group_id: str
     env: str | None
     item_id: str | None
@@ -158,7 +201,8 @@ def summarize(match: Match) -> GroupSummary:
     if item_id is None:  # BaseEnv puts it in the trajectories' metadata too
         item_id = trajectories[0].metadata.get("item_id")
     return GroupSummary(
-        index=match.index, line_no=match.line_no, group_id=group.group_id, env=group.env,
+        index=match.index, line_no=match.line_no, location=match.location,
+        group_id=group.group_id, env=group.env,
         item_id=None if item_id is None else str(item_id),
         outcomes=[t.outcome for t in trajectories], matching=match.matching,
         policy_version=group.policy_version,

@@ -54,7 +54,7 @@ def _flags(t: ScoredTrajectory) -> list[str]:
 
 
 def group_header(s: GroupSummary) -> Rule:
-    parts = [f"group #{s.index}", f"line {s.line_no}"]
+    parts = [f"group #{s.index}", s.location]
     if s.env:
         parts.append(s.env)
     if s.item_id is not None:
@@ -222,8 +222,8 @@ def stats_tables(stats: Stats, path: Path, report: ReadReport, filter: Filter) -
 
 def report_bad_lines(console: Console, path: Path, report: ReadReport) -> None:
     for bad in report.bad_lines:
-        console.print(f"{path}:{bad.line_no}: {bad.message} (skipped)", markup=False,
-                      highlight=False, soft_wrap=True)
+        console.print(f"{bad.path or path}:{bad.line_no}: {bad.message} (skipped)",
+                      markup=False, highlight=False, soft_wrap=True)
     if report.bad_lines:
         console.print(f"{len(report.bad_lines)} bad line{'s' * (len(report.bad_lines) > 1)} "
                       f"skipped in {path}", style="bold red", highlight=False,
@@ -251,7 +251,7 @@ def inspect_file(path: Path, *, filter: Filter, console: Console, err_console: C
                 break
         if found is None:
             err_console.print(f"{path}: no group {group!r} (by index from 0 or by group id); "
-                              f"the file has {report.groups} groups", highlight=False,
+                              f"it has {report.groups} groups", highlight=False,
                               soft_wrap=True)
             status = 1
         else:
