@@ -404,3 +404,19 @@ def test_binary_garbage_is_named_by_file_and_line_and_the_good_groups_are_kept(t
     assert main(["inspect", str(garbage)]) == 1
     assert f"{garbage}:1: not UTF-8 text: byte 0x80 at byte 1" in capsys.readouterr().err
 
+
+def test_policy_versions_are_listed_in_numeric_order(tmp_path, capsys):
+    path = tmp_path / "versions.jsonl"
+    versions = [2, 10, 1, 20, 11, None, 3]
+    path.write_text("".join(
+        ScoredGroup(group_id=f"v{v}", trajectories=[ScoredTrajectory(
+            tokens=[1, 2, 3], masks=[-100, 2, 3], scores=0.5, policy_version=v)]
+        ).model_dump_json() + "\n" for v in versions))
+    stats = compute_stats(path)
+    assert list(stats.policy_versions) == ["1", "2", "3", "10", "11", "20", "none"]
+    listed = "1 (1), 2 (1), 3 (1), 10 (1), 11 (1), 20 (1), none (1)"
+    assert main(["inspect", str(path), "--stats"]) == 0
+    assert listed in capsys.readouterr().out
+    result = write_report(path, tmp_path / "versions.html")
+    assert listed in result.path.read_text()
+

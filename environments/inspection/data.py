@@ -420,6 +420,7 @@ class Stats:
     zero_spread_groups: int = 0
     """Groups of 2+ trajectories whose outcomes are all equal (no GRPO signal)."""
     policy_versions: dict[str, int] = field(default_factory=dict)
+    """Policy version -> trajectories, in numeric order (``none`` last)."""
     envs: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -440,7 +441,7 @@ class StatsAccumulator:
         self._outcomes = array("d")
         self._turns: Counter[int] = Counter()
         self._turn_sums: dict[int, list[float]] = {}
-        self._versions: Counter[str] = Counter()
+        self._versions: Counter[int | None] = Counter()
         self._envs: Counter[str] = Counter()
 
     def add(self, group: ScoredGroup, matching: list[int] | None = None) -> None:
@@ -466,14 +467,15 @@ class StatsAccumulator:
             s.not_trainable += not t.flags.trainable
             s.tokens += len(t.tokens)
             s.trained_tokens += n_trained(t)
-            self._versions["none" if t.policy_version is None else str(t.policy_version)] += 1
+            self._versions[t.policy_version] += 1
 
     def result(self) -> Stats:
         s = self.stats
         s.turns = dict(sorted(self._turns.items()))
         s.turn_score_means = [(k, total / n, n) for k, (total, n)
                               in sorted(self._turn_sums.items())]
-        s.policy_versions = dict(sorted(self._versions.items()))
+        s.policy_versions = {"none" if v is None else str(v): n for v, n in sorted(
+            self._versions.items(), key=lambda item: (item[0] is None, item[0] or 0))}
         s.envs = dict(self._envs.most_common())
         values = self._outcomes
         if values:
