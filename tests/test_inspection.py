@@ -20,6 +20,7 @@ from environments.inspection.data import (
     Filter,
     TokenDecoder,
     compute_stats,
+    equal_scores,
     select,
     token_rows,
     turn_rows,
@@ -420,3 +421,55 @@ def test_policy_versions_are_listed_in_numeric_order(tmp_path, capsys):
     result = write_report(path, tmp_path / "versions.html")
     assert listed in result.path.read_text()
 
+
+def test_equal_score_groups_have_one_definition():
+    def group(*scores) -> list[ScoredTrajectory]:
+        return [ScoredTrajectory(tokens=[1, 2], masks=[-100, 2], scores=s) for s in scores]
+
+    assert equal_scores(group(1.0, 1.0, 1.0)) and equal_scores(group(0.3, 0.1 + 0.2))
+    assert not equal_scores(group(1.0)) and not equal_scores(group(1.0, 0.0))
+
+    def turns(*rows) -> list[ScoredTrajectory]:
+        return [episode(["a"] * len(row), list(row)) for row in rows]
+
+    assert equal_scores(turns([0.5, 1.0], [0.5, 1.0]))
+    # equal outcomes, different turn scores: MT-GRPO still has a turn-level signal
+    assert not equal_scores(turns([0.5, 1.0], [0.0, 1.0]))
+    assert not equal_scores(turns([0.0], [0.0, 0.0]))  # a different number of turns
+
+
+class PatternEnv(ScriptedEnv):
+    """Item k's group is scored by PATTERNS[k]: the members' turn scores, in order."""
+
+    PATTERNS = [[[0.5, 1.0], [0.5, 1.0]],   # equal scores: no signal
+                [[0.5, 1.0], [0.0, 1.0]],   # equal outcomes, different turn scores
+                [[0.5, 1.0], [0.5, 0.0]]]   # different outcomes
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.items = 0
+        self.scored: dict[str, int] = {}
+
+    async def get_next_item(self):
+        self.items += 1
+        return {"id": f"item-{self.items - 1}"}
+
+    def compute_turn_rewards(self, item, rollout):
+        k = int(item["id"].split("-")[1])
+        member = self.scored[item["id"]] = self.scored.get(item["id"], -1) + 1
+        return self.PATTERNS[k][member]
+
+
+def test_env_process_and_inspect_count_the_same_equal_score_groups(tmp_path, capsys):
+    env = PatternEnv(PatternEnv.config_class(group_size=2, keep_equal_score_groups=True,
+                                             concurrency=1))
+    out = tmp_path / "patterns.jsonl"
+    summary = asyncio.run(env.process(out, 3))
+    assert summary["groups_sent"] == 3 and summary["groups_kept_equal_scores"] == 1
+    assert main(["inspect", str(out), "--stats"]) == 0
+    out_text = capsys.readouterr().out
+    assert re.search(r"equal-score groups\s+1 of 3 \(every trajectory scored the same, turn by "
+                     r"turn", out_text)
+    assert compute_stats(out).equal_score_groups == 1
+    page = Path(summary["report"]).read_text()
+    assert "3 (1 with equal scores: every trajectory scored the same, turn by turn" in page

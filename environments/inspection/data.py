@@ -14,7 +14,7 @@ import math
 import random
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -395,6 +395,32 @@ def token_rows(t: ScoredTrajectory, decoder: TokenDecoder | None = None) -> list
 
 
 # -- statistics ------------------------------------------------------------------------------
+def _score_list(t: ScoredTrajectory) -> list[float]:
+    return list(t.scores) if isinstance(t.scores, list) else [t.scores]
+
+
+def equal_scores(trajectories: Sequence[ScoredTrajectory]) -> bool:
+    """Whether a group has no score signal: two or more trajectories, all scored the same
+    turn by turn (the same number of turn scores, each equal; a float score is one), up to
+    rounding (1e-12 relative, as the trainer's z-score). Such a group gives every advantage
+    estimator zeros. Equal *outcomes* are not enough: turn scores that differ still give a
+    turn-level signal (MT-GRPO), so such a group is not counted.
+
+    The one definition of an equal-score group: ``env process`` / ``env serve`` count (and,
+    without ``keep_equal_score_groups``, drop) these groups; ``inspect --stats`` and the
+    HTML report count them."""
+    if len(trajectories) < 2:
+        return False
+    rows = [_score_list(t) for t in trajectories]
+    if any(len(row) != len(rows[0]) for row in rows):
+        return False
+    for column in zip(*rows):
+        top = max(abs(v) for v in column)
+        if max(column) - min(column) > 1e-12 * max(1.0, top):
+            return False
+    return True
+
+
 @dataclass
 class Stats:
     """What ``--stats`` and the report's header show, over the matching trajectories."""
@@ -417,8 +443,9 @@ class Stats:
     not_trainable: int = 0
     tokens: int = 0
     trained_tokens: int = 0
-    zero_spread_groups: int = 0
-    """Groups of 2+ trajectories whose outcomes are all equal (no GRPO signal)."""
+    equal_score_groups: int = 0
+    """Groups with no score signal (:func:`equal_scores`): what ``env process`` counts as
+    ``groups_kept_equal_scores`` (or drops)."""
     policy_versions: dict[str, int] = field(default_factory=dict)
     """Policy version -> trajectories, in numeric order (``none`` last)."""
     envs: dict[str, int] = field(default_factory=dict)
@@ -448,9 +475,8 @@ class StatsAccumulator:
         s = self.stats
         s.groups += 1
         self._envs[group.env or "(none)"] += 1
-        outcomes = [t.outcome for t in group.trajectories]
-        if len(outcomes) > 1 and max(outcomes) == min(outcomes):
-            s.zero_spread_groups += 1
+        if equal_scores(group.trajectories):
+            s.equal_score_groups += 1
         indices = range(len(group.trajectories)) if matching is None else matching
         for i in indices:
             t = group.trajectories[i]

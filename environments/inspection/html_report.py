@@ -161,8 +161,9 @@ def stats_html(stats: Stats) -> str:
     if not stats.trajectories:
         return "<p>No matching trajectories.</p>"
     overview = [
-        ("groups", f"{stats.groups:,} ({stats.zero_spread_groups:,} with zero spread: all "
-                   "outcomes equal)"),
+        ("groups", f"{stats.groups:,} ({stats.equal_score_groups:,} with equal scores: every "
+                   "trajectory scored the same, turn by turn, so no signal; env process "
+                   "counts these as groups_kept_equal_scores)"),
         ("trajectories", f"{stats.trajectories:,}"),
         ("envs", ", ".join(f"{e} ({n:,})" for e, n in stats.envs.items())),
         ("outcome", f"mean {stats.outcome_mean:.4g} · std {stats.outcome_std:.4g} · "

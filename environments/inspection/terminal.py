@@ -183,8 +183,10 @@ def stats_tables(stats: Stats, path: Path, report: ReadReport, filter: Filter) -
         return [overview]
     overview.add_row("outcome", f"mean {stats.outcome_mean:.4g} · std {stats.outcome_std:.4g}"
                      f" · min {stats.outcome_min:.4g} · max {stats.outcome_max:.4g}")
-    overview.add_row("zero-spread groups",
-                     f"{stats.zero_spread_groups} of {stats.groups} (all outcomes equal)")
+    overview.add_row("equal-score groups",
+                     f"{stats.equal_score_groups} of {stats.groups} (every trajectory scored "
+                     "the same, turn by turn: no signal; env process counts these as "
+                     "groups_kept_equal_scores)")
     overview.add_row("truncated", f"{stats.truncated} ({stats.truncated_rate:.1%})")
     overview.add_row("tool errors", f"{stats.with_tool_errors} of {stats.trajectories} trajectories "
                      f"({stats.tool_error_rate:.1%}) · {stats.tool_errors} in all")
