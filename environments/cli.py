@@ -104,30 +104,63 @@ def _run_and_print(prog: str, coroutine) -> int:
     return 0
 
 
+ENV_ACTIONS = {
+    "serve": "push groups to the rollout API (lachesis api) until total_groups, or forever",
+    "process": "write groups to a JSONL file (and its HTML report next to it), no API needed",
+    "evaluate": "one rollout per eval item at the eval temperature; print the mean metrics",
+}
+ENV_NAME_HELP = "a registered env ({}), path/to/file.py:Class or package.module:Class"
+
+
+def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
+    """The flags of ``lachesis env ACTION NAME`` that do not depend on the env (``name``
+    None: the help of the action without an env)."""
+    from environments.registry import ENVIRONMENTS
+
+    settings = ("Each setting of the env's config class is also a flag: flags > --config "
+                "YAML > defaults")
+    parser = argparse.ArgumentParser(
+        prog=f"lachesis env {action} {name or 'NAME'}", description=f"{ENV_ACTIONS[action]}.",
+        epilog=(f"{settings}." if name else
+                "NAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + ". "
+                f"{settings}; `lachesis env {action} NAME --help` lists them."))
+    parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
+    if action == "process":
+        parser.add_argument("--out", type=Path, required=True, help="JSONL file to append groups to")
+        parser.add_argument("--groups", type=int, required=True, help="number of groups to write")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
 def _run_env(argv: list[str]) -> int:
     import logging
 
-    from environments.registry import EnvNotFoundError, load_env_class
+    from environments.registry import ENVIRONMENTS, EnvNotFoundError, load_env_class
 
-    head = argparse.ArgumentParser(prog="lachesis env", add_help=False)
-    head.add_argument("action", choices=["serve", "process", "evaluate"])
-    head.add_argument("name")
+    head = argparse.ArgumentParser(
+        prog="lachesis env", add_help=False,
+        usage="lachesis env {serve,process,evaluate} NAME [--config F] [settings]")
+    head.add_argument("action", choices=list(ENV_ACTIONS))
+    head.add_argument("name", nargs="?")
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lachesis env {serve,process,evaluate} NAME [--config F] [settings]\n"
-              "       lachesis env serve NAME --help   lists the settings of NAME")
+        print("usage: lachesis env {serve,process,evaluate} NAME [--config F] [settings]\n\n"
+              + "".join(f"  {action:<9} {text}\n" for action, text in ENV_ACTIONS.items())
+              + "\nNAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + "\n"
+              "`lachesis env ACTION --help` shows the flags of ACTION; "
+              "`lachesis env ACTION NAME --help` also lists the settings of NAME")
         return 0
     known, rest = head.parse_known_args(argv)
+    if known.name is None:
+        if "-h" in rest or "--help" in rest:
+            _env_parser(known.action, None).print_help()
+            return 0
+        head.error("the following arguments are required: name")
     try:
         env_class = load_env_class(known.name)
     except EnvNotFoundError as error:
         print(f"lachesis env: {error}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"lachesis env {known.action} {known.name}")
-    parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
-    if known.action == "process":
-        parser.add_argument("--out", type=Path, required=True, help="JSONL file to append groups to")
-        parser.add_argument("--groups", type=int, required=True, help="number of groups to write")
-    parser.add_argument("--log-level", default="INFO")
+    parser = _env_parser(known.action, known.name)
     names = _config_flags(parser, env_class.config_class)
     args = parser.parse_args(rest)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
