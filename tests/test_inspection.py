@@ -334,6 +334,19 @@ def test_report_in_headless_chromium(tmp_path, tiny_model_dir):
             view.locator("span.c").first.hover()
             assert "context (not trained)" in tip.inner_text()
             page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+
+            # a directory's report: each group located by its file and line
+            logs = tmp_path / "logs"
+            logs.mkdir()
+            for name, group in zip(["b.jsonl", "a.jsonl"], sample_groups()):
+                (logs / name).write_text(group.model_dump_json() + "\n")
+            assert main(["report", str(logs)]) == 0
+            page.goto((logs / "report.html").as_uri())
+            assert page.locator("#list tbody tr td:nth-child(2)").all_inner_texts() == [
+                "a.jsonl:1", "b.jsonl:1"]
+            page.locator("#list tbody tr").first.click()
+            page.wait_for_selector(".member")
+            assert page.inner_text("#detail h2").startswith("Group #0 · a.jsonl:1 · reverse_word")
         finally:
             browser.close()
     assert errors == []
