@@ -104,30 +104,63 @@ def _run_and_print(prog: str, coroutine) -> int:
     return 0
 
 
+ENV_ACTIONS = {
+    "serve": "push groups to the rollout API (lachesis api) until total_groups, or forever",
+    "process": "write groups to a JSONL file (and its HTML report next to it), no API needed",
+    "evaluate": "one rollout per eval item at the eval temperature; print the mean metrics",
+}
+ENV_NAME_HELP = "a registered env ({}), path/to/file.py:Class or package.module:Class"
+
+
+def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
+    """The flags of ``lachesis env ACTION NAME`` that do not depend on the env (``name``
+    None: the help of the action without an env)."""
+    from environments.registry import ENVIRONMENTS
+
+    settings = ("Each setting of the env's config class is also a flag: flags > --config "
+                "YAML > defaults")
+    parser = argparse.ArgumentParser(
+        prog=f"lachesis env {action} {name or 'NAME'}", description=f"{ENV_ACTIONS[action]}.",
+        epilog=(f"{settings}." if name else
+                "NAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + ". "
+                f"{settings}; `lachesis env {action} NAME --help` lists them."))
+    parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
+    if action == "process":
+        parser.add_argument("--out", type=Path, required=True, help="JSONL file to append groups to")
+        parser.add_argument("--groups", type=int, required=True, help="number of groups to write")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
 def _run_env(argv: list[str]) -> int:
     import logging
 
-    from environments.registry import EnvNotFoundError, load_env_class
+    from environments.registry import ENVIRONMENTS, EnvNotFoundError, load_env_class
 
-    head = argparse.ArgumentParser(prog="lachesis env", add_help=False)
-    head.add_argument("action", choices=["serve", "process", "evaluate"])
-    head.add_argument("name")
+    head = argparse.ArgumentParser(
+        prog="lachesis env", add_help=False,
+        usage="lachesis env {serve,process,evaluate} NAME [--config F] [settings]")
+    head.add_argument("action", choices=list(ENV_ACTIONS))
+    head.add_argument("name", nargs="?")
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lachesis env {serve,process,evaluate} NAME [--config F] [settings]\n"
-              "       lachesis env serve NAME --help   lists the settings of NAME")
+        print("usage: lachesis env {serve,process,evaluate} NAME [--config F] [settings]\n\n"
+              + "".join(f"  {action:<9} {text}\n" for action, text in ENV_ACTIONS.items())
+              + "\nNAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + "\n"
+              "`lachesis env ACTION --help` shows the flags of ACTION; "
+              "`lachesis env ACTION NAME --help` also lists the settings of NAME")
         return 0
     known, rest = head.parse_known_args(argv)
+    if known.name is None:
+        if "-h" in rest or "--help" in rest:
+            _env_parser(known.action, None).print_help()
+            return 0
+        head.error("the following arguments are required: name")
     try:
         env_class = load_env_class(known.name)
     except EnvNotFoundError as error:
         print(f"lachesis env: {error}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"lachesis env {known.action} {known.name}")
-    parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
-    if known.action == "process":
-        parser.add_argument("--out", type=Path, required=True, help="JSONL file to append groups to")
-        parser.add_argument("--groups", type=int, required=True, help="number of groups to write")
-    parser.add_argument("--log-level", default="INFO")
+    parser = _env_parser(known.action, known.name)
     names = _config_flags(parser, env_class.config_class)
     args = parser.parse_args(rest)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -229,10 +262,12 @@ def _add_filter_flags(p: argparse.ArgumentParser) -> None:
 
 def _inspection_inputs(prog: str, args: argparse.Namespace):
     """(Filter, TokenDecoder), or None after printing what is wrong."""
-    from environments.inspection.data import Filter, TokenDecoder
+    from environments.inspection.data import Filter, SourceError, TokenDecoder, jsonl_files
 
-    if not args.file.is_file():
-        print(f"{prog}: {args.file}: no such file", file=sys.stderr)
+    try:
+        jsonl_files(args.file)
+    except SourceError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
         return None
     try:
         decoder = TokenDecoder.load(args.tokenizer)
@@ -243,13 +278,17 @@ def _inspection_inputs(prog: str, args: argparse.Namespace):
                   flags=tuple(args.flags)), decoder
 
 
+SOURCE_HELP = ("JSONL file, one scored group per line; or a directory: its *.jsonl files in "
+               "name order (a `lachesis run` directory: its trajectories/)")
+
+
 def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "inspect", help="show scored groups of a JSONL file in the terminal",
         description="Show the groups of a JSONL file of scored groups: messages turn by turn "
                     "with each assistant turn's score, advantages, tokens and flags. Bad lines "
-                    "are reported with their line numbers and skipped.")
-    p.add_argument("file", type=Path, help="JSONL file, one scored group per line")
+                    "are reported with their file and line numbers and skipped.")
+    p.add_argument("file", type=Path, help=SOURCE_HELP)
     p.add_argument("--group", metavar="N|ID",
                    help="show only this group: its index in the file (from 0) or its group id; "
                         "filters do not apply")
@@ -287,8 +326,10 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
                     "groups with their score spread, members side by side, per-turn scores, "
                     "and a token view. Large files are streamed; when the groups do not all "
                     "fit in --max-groups / --max-mb, a sample is embedded and the page says so.")
-    p.add_argument("file", type=Path, help="JSONL file, one scored group per line")
-    p.add_argument("-o", "--out", type=Path, help="HTML file to write (default: FILE.html)")
+    p.add_argument("file", type=Path, help=SOURCE_HELP)
+    p.add_argument("-o", "--out", type=Path,
+                   help="HTML file to write (default: FILE.html; for a directory, "
+                        "DIR/report.html)")
     p.add_argument("--max-groups", type=int, default=1000,
                    help="groups embedded in the page at most (default 1000)")
     p.add_argument("--max-mb", type=float, default=100.0,
@@ -319,7 +360,8 @@ def _run_report(args: argparse.Namespace) -> int:
         print(f"lachesis report: {error}", file=sys.stderr)
         return 1
     for bad in result.bad_lines_list:
-        print(f"{args.file}:{bad.line_no}: {bad.message} (skipped)", file=sys.stderr)
+        print(f"{bad.path or args.file}:{bad.line_no}: {bad.message} (skipped)",
+              file=sys.stderr)
     print(json.dumps(result.as_dict(), indent=2))
     return 0 if result.groups or not result.bad_lines else 1
 

@@ -12,7 +12,8 @@ Reading: :func:`read_groups` streams line by line (constant memory);
 :func:`read_group_at` reads one group back from its offset. Each line is a
 native :class:`ScoredGroup` or an Atropos ``ScoredData`` object (converted). A bad line
 raises :class:`BadLineError` naming its line number, or with ``skip_bad=True`` is
-recorded in ``report.bad_lines`` and reading goes on.
+recorded in ``report.bad_lines`` and reading goes on (a line that is not UTF-8 text, e.g.
+binary data, is one such bad line).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class BadLineError(ValueError):
 class BadLine:
     line_no: int
     message: str
+    path: Path | None = None
+    """The file the line is in."""
 
 
 @dataclass
@@ -46,18 +49,32 @@ class ReadReport:
     """What a read found besides the groups: bad lines (skipped) and a torn tail."""
 
     lines: int = 0
+    """Lines read (over every file read with this report)."""
     groups: int = 0
     bad_lines: list[BadLine] = field(default_factory=list)
 
 
 def parse_group_line(line: bytes) -> ScoredGroup:
     """One JSONL line -> ScoredGroup (native form, or Atropos ``ScoredData``)."""
-    data = orjson.loads(line)
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        _check_utf8(line)  # binary data: say so, rather than orjson's "surrogates" message
+        raise
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     if "trajectories" in data:
         return ScoredGroup.model_validate_json(line)
     return ScoredGroup.from_scored_data(ScoredData.model_validate_json(line))
+
+
+def _check_utf8(line: bytes) -> None:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8 text: byte 0x{line[error.start]:02x} at byte "
+                         f"{error.start + 1} of the line (binary data? a JSONL line is "
+                         "UTF-8 JSON)") from None
 
 
 def _describe(error: Exception) -> str:
@@ -78,6 +95,7 @@ class LocatedGroup:
     offset: int
     size: int
     group: ScoredGroup
+    path: Path
 
 
 def iter_located_groups(path: str | Path, *, skip_bad: bool = False,
@@ -88,20 +106,21 @@ def iter_located_groups(path: str | Path, *, skip_bad: bool = False,
     offset = 0
     with path.open("rb") as f:
         for line_no, line in enumerate(f, start=1):
-            report.lines = line_no
+            report.lines += 1
             start, offset = offset, offset + len(line)
             if not line.endswith(b"\n"):
-                problem = BadLine(line_no, "torn final line (no newline): an interrupted write")
+                problem = BadLine(line_no, "torn final line (no newline): an interrupted write",
+                                  path)
             elif not line.strip():
                 continue
             else:
                 try:
                     group = parse_group_line(line)
                 except (ValueError, TrajectoryError) as error:
-                    problem = BadLine(line_no, _describe(error))
+                    problem = BadLine(line_no, _describe(error), path)
                 else:
                     report.groups += 1
-                    yield LocatedGroup(line_no, start, len(line), group)
+                    yield LocatedGroup(line_no, start, len(line), group, path)
                     continue
             if not skip_bad:
                 raise BadLineError(path, problem.line_no, problem.message)

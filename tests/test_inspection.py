@@ -20,6 +20,7 @@ from environments.inspection.data import (
     Filter,
     TokenDecoder,
     compute_stats,
+    equal_scores,
     select,
     token_rows,
     turn_rows,
@@ -333,7 +334,155 @@ def test_report_in_headless_chromium(tmp_path, tiny_model_dir):
             view.locator("span.c").first.hover()
             assert "context (not trained)" in tip.inner_text()
             page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+
+            # a directory's report: each group located by its file and line
+            logs = tmp_path / "logs"
+            logs.mkdir()
+            for name, group in zip(["b.jsonl", "a.jsonl"], sample_groups()):
+                (logs / name).write_text(group.model_dump_json() + "\n")
+            assert main(["report", str(logs)]) == 0
+            page.goto((logs / "report.html").as_uri())
+            assert page.locator("#list tbody tr td:nth-child(2)").all_inner_texts() == [
+                "a.jsonl:1", "b.jsonl:1"]
+            page.locator("#list tbody tr").first.click()
+            page.wait_for_selector(".member")
+            assert page.inner_text("#detail h2").startswith("Group #0 · a.jsonl:1 · reverse_word")
         finally:
             browser.close()
     assert errors == []
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_a_directory_is_read_file_by_file_in_name_order(tmp_path, capsys):
+    groups = sample_groups()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "b.jsonl").write_text(groups[2].model_dump_json() + "\n")
+    (logs / "a.jsonl").write_bytes(groups[0].model_dump_json().encode() + b"\n\xff\xd8\xff\n"
+                                   + groups[1].model_dump_json().encode() + b"\n")
+    (logs / "notes.txt").write_text("not a JSONL file\n")
+    assert main(["inspect", str(logs), "--limit", "0"]) == 0
+    out, err = capsys.readouterr()
+    first, second, third = (out.index(f"group #{i} · ") for i in range(3))
+    assert first < second < third
+    assert "group #0 · a.jsonl:1 · reverse_word" in out
+    assert "group #1 · a.jsonl:3 · reverse_word" in out
+    assert "group #2 · b.jsonl:1 · arithmetic_tool" in out
+    assert f"{logs / 'a.jsonl'}:2: not UTF-8 text: byte 0xff at byte 1" in err
+    assert "1 bad line skipped" in err
+
+    assert main(["inspect", str(logs), "--stats"]) == 0
+    assert re.search(r"groups\s+3 \(filter: none\)", capsys.readouterr().out)
+
+    assert main(["report", str(logs)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{logs / 'a.jsonl'}:2: not UTF-8 text" in err
+    page = (logs / "report.html").read_text()
+    assert "(2 files: a.jsonl, b.jsonl)" in page
+    assert '"a.jsonl:3"' in page and '"b.jsonl:1"' in page  # the list's location column
+    assert "<code>a.jsonl:2</code>: not UTF-8 text" in page
+
+    # a `lachesis run` directory: its trajectories/
+    run = tmp_path / "runs" / "demo"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "logs").mkdir()
+    (run / "trajectories" / "reverse_word.jsonl").write_text(
+        groups[1].model_dump_json() + "\n")
+    assert main(["inspect", str(run)]) == 0
+    assert "group #0 · reverse_word.jsonl:1 · reverse_word · item loom" in capsys.readouterr().out
+
+    # nothing to read: the error names the path and says why
+    assert main(["inspect", str(run / "logs")]) == 2
+    assert f"{run / 'logs'}: a directory without *.jsonl files" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert f"{tmp_path / 'missing'}: no such file or directory" in capsys.readouterr().err
+
+
+def test_binary_garbage_is_named_by_file_and_line_and_the_good_groups_are_kept(tmp_path,
+                                                                              capsys):
+    path = tmp_path / "mixed.jsonl"
+    groups = sample_groups()
+    path.write_bytes(groups[0].model_dump_json().encode() + b"\n"
+                     + bytes(range(256)).replace(b"\n", b"") + b"\n"
+                     + groups[1].model_dump_json().encode() + b"\n")
+    assert main(["inspect", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "group #0 · line 1" in out and "group #1 · line 3" in out
+    assert f"{path}:2: not UTF-8 text: byte 0x80 at byte 128 of the line" in err
+    assert "surrogates" not in err and "1 bad line skipped" in err
+    assert main(["report", str(path)]) == 0
+    assert f"{path}:2: not UTF-8 text" in capsys.readouterr().err
+
+    garbage = tmp_path / "garbage.jsonl"  # nothing but binary data: status 1
+    garbage.write_bytes(bytes(range(128, 256)) * 3 + b"\n")
+    assert main(["inspect", str(garbage)]) == 1
+    assert f"{garbage}:1: not UTF-8 text: byte 0x80 at byte 1" in capsys.readouterr().err
+
+
+def test_policy_versions_are_listed_in_numeric_order(tmp_path, capsys):
+    path = tmp_path / "versions.jsonl"
+    versions = [2, 10, 1, 20, 11, None, 3]
+    path.write_text("".join(
+        ScoredGroup(group_id=f"v{v}", trajectories=[ScoredTrajectory(
+            tokens=[1, 2, 3], masks=[-100, 2, 3], scores=0.5, policy_version=v)]
+        ).model_dump_json() + "\n" for v in versions))
+    stats = compute_stats(path)
+    assert list(stats.policy_versions) == ["1", "2", "3", "10", "11", "20", "none"]
+    listed = "1 (1), 2 (1), 3 (1), 10 (1), 11 (1), 20 (1), none (1)"
+    assert main(["inspect", str(path), "--stats"]) == 0
+    assert listed in capsys.readouterr().out
+    result = write_report(path, tmp_path / "versions.html")
+    assert listed in result.path.read_text()
+
+
+def test_equal_score_groups_have_one_definition():
+    def group(*scores) -> list[ScoredTrajectory]:
+        return [ScoredTrajectory(tokens=[1, 2], masks=[-100, 2], scores=s) for s in scores]
+
+    assert equal_scores(group(1.0, 1.0, 1.0)) and equal_scores(group(0.3, 0.1 + 0.2))
+    assert not equal_scores(group(1.0)) and not equal_scores(group(1.0, 0.0))
+
+    def turns(*rows) -> list[ScoredTrajectory]:
+        return [episode(["a"] * len(row), list(row)) for row in rows]
+
+    assert equal_scores(turns([0.5, 1.0], [0.5, 1.0]))
+    # equal outcomes, different turn scores: MT-GRPO still has a turn-level signal
+    assert not equal_scores(turns([0.5, 1.0], [0.0, 1.0]))
+    assert not equal_scores(turns([0.0], [0.0, 0.0]))  # a different number of turns
+
+
+class PatternEnv(ScriptedEnv):
+    """Item k's group is scored by PATTERNS[k]: the members' turn scores, in order."""
+
+    PATTERNS = [[[0.5, 1.0], [0.5, 1.0]],   # equal scores: no signal
+                [[0.5, 1.0], [0.0, 1.0]],   # equal outcomes, different turn scores
+                [[0.5, 1.0], [0.5, 0.0]]]   # different outcomes
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.items = 0
+        self.scored: dict[str, int] = {}
+
+    async def get_next_item(self):
+        self.items += 1
+        return {"id": f"item-{self.items - 1}"}
+
+    def compute_turn_rewards(self, item, rollout):
+        k = int(item["id"].split("-")[1])
+        member = self.scored[item["id"]] = self.scored.get(item["id"], -1) + 1
+        return self.PATTERNS[k][member]
+
+
+def test_env_process_and_inspect_count_the_same_equal_score_groups(tmp_path, capsys):
+    env = PatternEnv(PatternEnv.config_class(group_size=2, keep_equal_score_groups=True,
+                                             concurrency=1))
+    out = tmp_path / "patterns.jsonl"
+    summary = asyncio.run(env.process(out, 3))
+    assert summary["groups_sent"] == 3 and summary["groups_kept_equal_scores"] == 1
+    assert main(["inspect", str(out), "--stats"]) == 0
+    out_text = capsys.readouterr().out
+    assert re.search(r"equal-score groups\s+1 of 3 \(every trajectory scored the same, turn by "
+                     r"turn", out_text)
+    assert compute_stats(out).equal_score_groups == 1
+    page = Path(summary["report"]).read_text()
+    assert "3 (1 with equal scores: every trajectory scored the same, turn by turn" in page

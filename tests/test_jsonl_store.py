@@ -43,6 +43,24 @@ def test_bad_lines_are_named_and_can_be_skipped(tmp_path):
     assert report.bad_lines[1].message.startswith("trajectories: List should have at least 1 item")
 
 
+def test_binary_garbage_is_a_bad_line_naming_the_byte_and_the_good_lines_survive(tmp_path):
+    path = tmp_path / "garbage.jsonl"
+    good = [make_group(seed=i) for i in range(2)]
+    path.write_bytes(good[0].model_dump_json().encode() + b"\n"
+                     + b"\x89PNG\r\x1a\x00\xff\xfe garbage\n"             # binary data
+                     + good[1].model_dump_json().encode() + b"\n"
+                     + b'{"group_id": "caf\xe9", "trajectories": []}\n')  # Latin-1, not UTF-8
+    with pytest.raises(BadLineError, match=r"garbage.jsonl:2: not UTF-8 text: byte 0x89 at "
+                                           r"byte 1 of the line"):
+        list(read_groups(path))
+    report = ReadReport()
+    assert list(read_groups(path, skip_bad=True, report=report)) == good
+    assert [(b.line_no, b.path) for b in report.bad_lines] == [(2, path), (4, path)]
+    assert report.bad_lines[1].message.startswith("not UTF-8 text: byte 0xe9 at byte 18 ")
+    assert not any("surrogates" in b.message for b in report.bad_lines)
+    assert (report.lines, report.groups) == (4, 2)
+
+
 def test_torn_tail_is_set_aside_before_the_next_append(tmp_path):
     path = tmp_path / "torn.jsonl"
     groups = [make_group(seed=i) for i in range(3)]

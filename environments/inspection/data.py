@@ -14,7 +14,7 @@ import math
 import random
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,14 +83,42 @@ class Filter:
         return ", ".join(parts) if parts else "none"
 
 
+class SourceError(ValueError):
+    """A path that ``inspect`` / ``report`` cannot read groups from."""
+
+
+def jsonl_files(path: str | Path) -> list[Path]:
+    """The JSONL files behind ``path``: the file itself, or a directory's ``*.jsonl`` files
+    in name order. A directory without any that has a ``trajectories/`` directory with
+    some (a ``lachesis run`` directory, ``runs/NAME``) gives those. Raises
+    :class:`SourceError` naming the path when there is nothing to read."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        for directory in (path, path / "trajectories"):
+            files = sorted(p for p in directory.glob("*.jsonl") if p.is_file())
+            if files:
+                return files
+        raise SourceError(f"{path}: a directory without *.jsonl files (and without a "
+                          "trajectories/ directory holding some, as a `lachesis run` "
+                          "directory has)")
+    if path.exists():
+        raise SourceError(f"{path}: not a regular file or a directory")
+    raise SourceError(f"{path}: no such file or directory")
+
+
 @dataclass
 class Match:
     """A group read from the file, with its position and which trajectories matched."""
 
     index: int
-    """The group's position among the file's valid groups, from 0 (``--group N``)."""
+    """The group's position among the valid groups of the file (or of the directory's
+    files, in name order), from 0 (``--group N``)."""
     located: LocatedGroup
     matching: list[int]
+    from_directory: bool = False
+    """Read from one of a directory's files: its location names the file."""
 
     @property
     def group(self) -> ScoredGroup:
@@ -100,16 +128,29 @@ class Match:
     def line_no(self) -> int:
         return self.located.line_no
 
+    @property
+    def location(self) -> str:
+        """``line N``, or ``FILE.jsonl:N`` for a group read from a directory."""
+        if self.from_directory:
+            return f"{self.located.path.name}:{self.line_no}"
+        return f"line {self.line_no}"
+
 
 def scan(path: str | Path, filter: Filter | None = None,
          report: ReadReport | None = None) -> Iterator[Match]:
-    """Stream the groups of ``path`` that have a matching trajectory; bad lines go to
-    ``report.bad_lines`` (with their line numbers) and are skipped."""
+    """Stream the groups of ``path`` (a JSONL file, or a directory: see :func:`jsonl_files`)
+    that have a matching trajectory; bad lines go to ``report.bad_lines`` (with their file
+    and line number) and are skipped."""
     filter = filter or Filter()
-    for index, located in enumerate(iter_located_groups(path, skip_bad=True, report=report)):
-        matching = filter.matching(located.group)
-        if matching:
-            yield Match(index, located, matching)
+    files = jsonl_files(path)
+    from_directory = Path(path).is_dir()
+    index = 0
+    for file in files:
+        for located in iter_located_groups(file, skip_bad=True, report=report):
+            matching = filter.matching(located.group)
+            if matching:
+                yield Match(index, located, matching, from_directory)
+            index += 1
 
 
 # -- one group, one trajectory ---------------------------------------------------------------
@@ -128,6 +169,8 @@ class GroupSummary:
 
     index: int
     line_no: int
+    location: str
+    """``line N``, or ``FILE.jsonl:N`` for a group read from a directory."""
     group_id: str
     env: str | None
     item_id: str | None
@@ -158,7 +201,8 @@ def summarize(match: Match) -> GroupSummary:
     if item_id is None:  # BaseEnv puts it in the trajectories' metadata too
         item_id = trajectories[0].metadata.get("item_id")
     return GroupSummary(
-        index=match.index, line_no=match.line_no, group_id=group.group_id, env=group.env,
+        index=match.index, line_no=match.line_no, location=match.location,
+        group_id=group.group_id, env=group.env,
         item_id=None if item_id is None else str(item_id),
         outcomes=[t.outcome for t in trajectories], matching=match.matching,
         policy_version=group.policy_version,
@@ -351,6 +395,32 @@ def token_rows(t: ScoredTrajectory, decoder: TokenDecoder | None = None) -> list
 
 
 # -- statistics ------------------------------------------------------------------------------
+def _score_list(t: ScoredTrajectory) -> list[float]:
+    return list(t.scores) if isinstance(t.scores, list) else [t.scores]
+
+
+def equal_scores(trajectories: Sequence[ScoredTrajectory]) -> bool:
+    """Whether a group has no score signal: two or more trajectories, all scored the same
+    turn by turn (the same number of turn scores, each equal; a float score is one), up to
+    rounding (1e-12 relative, as the trainer's z-score). Such a group gives every advantage
+    estimator zeros. Equal *outcomes* are not enough: turn scores that differ still give a
+    turn-level signal (MT-GRPO), so such a group is not counted.
+
+    The one definition of an equal-score group: ``env process`` / ``env serve`` count (and,
+    without ``keep_equal_score_groups``, drop) these groups; ``inspect --stats`` and the
+    HTML report count them."""
+    if len(trajectories) < 2:
+        return False
+    rows = [_score_list(t) for t in trajectories]
+    if any(len(row) != len(rows[0]) for row in rows):
+        return False
+    for column in zip(*rows):
+        top = max(abs(v) for v in column)
+        if max(column) - min(column) > 1e-12 * max(1.0, top):
+            return False
+    return True
+
+
 @dataclass
 class Stats:
     """What ``--stats`` and the report's header show, over the matching trajectories."""
@@ -373,9 +443,11 @@ class Stats:
     not_trainable: int = 0
     tokens: int = 0
     trained_tokens: int = 0
-    zero_spread_groups: int = 0
-    """Groups of 2+ trajectories whose outcomes are all equal (no GRPO signal)."""
+    equal_score_groups: int = 0
+    """Groups with no score signal (:func:`equal_scores`): what ``env process`` counts as
+    ``groups_kept_equal_scores`` (or drops)."""
     policy_versions: dict[str, int] = field(default_factory=dict)
+    """Policy version -> trajectories, in numeric order (``none`` last)."""
     envs: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -396,16 +468,15 @@ class StatsAccumulator:
         self._outcomes = array("d")
         self._turns: Counter[int] = Counter()
         self._turn_sums: dict[int, list[float]] = {}
-        self._versions: Counter[str] = Counter()
+        self._versions: Counter[int | None] = Counter()
         self._envs: Counter[str] = Counter()
 
     def add(self, group: ScoredGroup, matching: list[int] | None = None) -> None:
         s = self.stats
         s.groups += 1
         self._envs[group.env or "(none)"] += 1
-        outcomes = [t.outcome for t in group.trajectories]
-        if len(outcomes) > 1 and max(outcomes) == min(outcomes):
-            s.zero_spread_groups += 1
+        if equal_scores(group.trajectories):
+            s.equal_score_groups += 1
         indices = range(len(group.trajectories)) if matching is None else matching
         for i in indices:
             t = group.trajectories[i]
@@ -422,14 +493,15 @@ class StatsAccumulator:
             s.not_trainable += not t.flags.trainable
             s.tokens += len(t.tokens)
             s.trained_tokens += n_trained(t)
-            self._versions["none" if t.policy_version is None else str(t.policy_version)] += 1
+            self._versions[t.policy_version] += 1
 
     def result(self) -> Stats:
         s = self.stats
         s.turns = dict(sorted(self._turns.items()))
         s.turn_score_means = [(k, total / n, n) for k, (total, n)
                               in sorted(self._turn_sums.items())]
-        s.policy_versions = dict(sorted(self._versions.items()))
+        s.policy_versions = {"none" if v is None else str(v): n for v, n in sorted(
+            self._versions.items(), key=lambda item: (item[0] is None, item[0] or 0))}
         s.envs = dict(self._envs.most_common())
         values = self._outcomes
         if values:

@@ -40,6 +40,7 @@ from environments.inspection.data import (
     StatsAccumulator,
     TokenDecoder,
     conversation,
+    jsonl_files,
     mask_runs,
     scan,
     select,
@@ -124,7 +125,8 @@ def group_detail(match: Match, vocab_ids: set[int], decoder: TokenDecoder | None
                  ) -> dict:
     group = match.group
     s = summarize(match)
-    return {"i": match.index, "line": match.line_no, "id": group.group_id, "env": group.env,
+    line = match.line_no if not match.from_directory else match.location
+    return {"i": match.index, "line": line, "id": group.group_id, "env": group.env,
             "item": s.item_id, "pv": s.policy_version,
             "gen": group.generation_params, "meta": group.metadata or None,
             "t": [trajectory_detail(t, i in match.matching, vocab_ids, decoder)
@@ -133,7 +135,8 @@ def group_detail(match: Match, vocab_ids: set[int], decoder: TokenDecoder | None
 
 def summary_row(match: Match) -> list:
     s = summarize(match)
-    return [s.index, s.line_no, s.env or "", s.item_id or "", s.outcomes,
+    line = s.line_no if not match.from_directory else s.location
+    return [s.index, line, s.env or "", s.item_id or "", s.outcomes,
             round(s.mean, 4), round(s.spread, 4), s.truncated, s.tool_errors,
             s.policy_version, round(s.mean_turns, 2), s.tokens, s.trained_tokens,
             len(s.matching)]
@@ -158,8 +161,9 @@ def stats_html(stats: Stats) -> str:
     if not stats.trajectories:
         return "<p>No matching trajectories.</p>"
     overview = [
-        ("groups", f"{stats.groups:,} ({stats.zero_spread_groups:,} with zero spread: all "
-                   "outcomes equal)"),
+        ("groups", f"{stats.groups:,} ({stats.equal_score_groups:,} with equal scores: every "
+                   "trajectory scored the same, turn by turn, so no signal; env process "
+                   "counts these as groups_kept_equal_scores)"),
         ("trajectories", f"{stats.trajectories:,}"),
         ("envs", ", ".join(f"{e} ({n:,})" for e, n in stats.envs.items())),
         ("outcome", f"mean {stats.outcome_mean:.4g} · std {stats.outcome_std:.4g} · "
@@ -209,7 +213,8 @@ def selection_html(selection: Selection, max_groups: int, max_bytes: int, seed: 
 def bad_lines_html(source: Path, report: ReadReport) -> str:
     if not report.bad_lines:
         return ""
-    items = "".join(f"<li><code>{_e(source.name)}:{b.line_no}</code>: {_e(b.message)}</li>"
+    items = "".join(f"<li><code>{_e((b.path or source).name)}:{b.line_no}</code>: "
+                    f"{_e(b.message)}</li>"
                     for b in report.bad_lines[:MAX_BAD_LINES_LISTED])
     more = len(report.bad_lines) - MAX_BAD_LINES_LISTED
     if more > 0:
@@ -224,10 +229,15 @@ def write_report(source: str | Path, out: str | Path | None = None, *,
                  max_groups: int = 1000, max_mb: float = 100.0, sample: str = "random",
                  seed: int = 0, title: str | None = None) -> ReportResult:
     """Write the HTML report of the JSONL file ``source`` to ``out`` (default: next to it,
-    ``.html``). Bad lines are listed on the page and skipped."""
+    ``.html``). ``source`` may be a directory: its ``*.jsonl`` files in name order (see
+    :func:`~environments.inspection.data.jsonl_files`; default ``out``: ``report.html`` in
+    it). Bad lines are listed on the page and skipped."""
     started = time.monotonic()
     source = Path(source)
-    out = Path(out) if out is not None else source.with_suffix(".html")
+    files = jsonl_files(source)  # SourceError (naming the path) when there is nothing
+    if out is None:
+        out = source / "report.html" if source.is_dir() else source.with_suffix(".html")
+    out = Path(out)
     filter = filter or Filter()
     decoder = decoder or TokenDecoder()
     max_bytes = int(max_mb * 1e6)
@@ -236,7 +246,9 @@ def write_report(source: str | Path, out: str | Path | None = None, *,
     report = ReadReport()
     accumulator = StatsAccumulator()
     offsets, sizes, indices, line_nos = array("q"), array("q"), array("q"), array("q")
+    file_of, file_index = array("q"), {}  # which file each group is in, by number
     for match in scan(source, filter, report):
+        file_of.append(file_index.setdefault(match.located.path, len(file_index)))
         accumulator.add(match.group, match.matching)
         offsets.append(match.located.offset)
         sizes.append(match.located.size)
@@ -249,12 +261,14 @@ def write_report(source: str | Path, out: str | Path | None = None, *,
     # Pass 2: the embedded groups, re-read by offset one at a time.
     summaries: list[list] = []
     vocab_ids: set[int] = set()
+    paths = list(file_index)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=out.parent) as chunks:
         for k in selection.indices:
-            group = read_group_at(source, offsets[k], sizes[k])
-            located = LocatedGroup(line_nos[k], offsets[k], sizes[k], group)
-            match = Match(indices[k], located, filter.matching(group))
+            path = paths[file_of[k]]
+            group = read_group_at(path, offsets[k], sizes[k])
+            located = LocatedGroup(line_nos[k], offsets[k], sizes[k], group, path)
+            match = Match(indices[k], located, filter.matching(group), source.is_dir())
             summaries.append(summary_row(match))
             chunks.write(b'<script type="application/octet-stream" class="g" id="g' +
                          str(match.index).encode() + b'">' +
@@ -262,8 +276,8 @@ def write_report(source: str | Path, out: str | Path | None = None, *,
         chunks.seek(0)
         tmp = out.with_name(out.name + ".tmp")
         with tmp.open("wb") as f:
-            f.write(_page_head(source, title, filter, decoder, stats, selection, report,
-                               max_groups, max_bytes, seed).encode())
+            f.write(_page_head(source, files, title, filter, decoder, stats, selection,
+                               report, max_groups, max_bytes, seed).encode())
             f.write(b'<script type="application/json" id="summary">' + _json(summaries)
                     + b"</script>\n<script>" + (ASSETS / "report.js").read_bytes()
                     + b"</script>\n")
@@ -279,13 +293,18 @@ def write_report(source: str | Path, out: str | Path | None = None, *,
                         time.monotonic() - started, stats, report.bad_lines)
 
 
-def _page_head(source: Path, title: str | None, filter: Filter, decoder: TokenDecoder,
-               stats: Stats, selection: Selection, report: ReadReport, max_groups: int,
-               max_bytes: int, seed: int) -> str:
+def _page_head(source: Path, files: list[Path], title: str | None, filter: Filter,
+               decoder: TokenDecoder, stats: Stats, selection: Selection, report: ReadReport,
+               max_groups: int, max_bytes: int, seed: int) -> str:
     title = title or f"Lachesis report: {source.name}"
-    size = source.stat().st_size
+    size = sum(path.stat().st_size for path in files)
     tokens = "decoded with the tokenizer" if decoder.has_text else "ids (no --tokenizer)"
-    meta = (f"{_e(source)} · {size / 1e6:,.1f} MB · {report.lines:,} lines · "
+    where = _e(source)
+    if source.is_dir():
+        names = ", ".join(path.name for path in files[:5])
+        more = f", … ({len(files) - 5} more)" if len(files) > 5 else ""
+        where += f" ({len(files)} file{'s' * (len(files) > 1)}: {_e(names)}{_e(more)})"
+    meta = (f"{where} · {size / 1e6:,.1f} MB · {report.lines:,} lines · "
             f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} · filter: {_e(filter.describe())}"
             f" · tokens: {tokens}")
     return (

@@ -35,7 +35,7 @@
     else if (sort === "mean-asc") shown.sort((a, b) => a[5] - b[5] || a[0] - b[0]);
     const out = [];
     for (const r of shown) {
-      out.push(`<tr data-i="${r[0]}"${current && current.i === r[0] ? ' class="sel"' : ""}><td>${r[0]}</td><td>${r[1]}</td>` +
+      out.push(`<tr data-i="${r[0]}"${current && current.i === r[0] ? ' class="sel"' : ""}><td>${r[0]}</td><td>${esc(r[1])}</td>` +
         `<td>${esc(r[2])}</td><td class="item" title="${esc(r[3])}">${esc(r[3])}</td>` +
         `<td class="num">${r[4].length}${r[13] < r[4].length ? " (" + r[13] + ")" : ""}</td>` +
         `<td>${strip(r[4])}</td><td class="num">${fmt(r[5])}</td><td class="num">${fmt(r[6])}</td>` +
@@ -158,7 +158,7 @@
     g.advScale = 0;
     for (const t of g.t) if (t.adv) for (const a of t.adv) if (Math.abs(a) > g.advScale) g.advScale = Math.abs(a);
     current = g;
-    let h = `<h2>Group #${g.i} · line ${g.line}${g.env ? " · " + esc(g.env) : ""}${g.item !== null ? " · item " + esc(g.item) : ""}` +
+    let h = `<h2>Group #${g.i} · ${typeof g.line === "number" ? "line " + g.line : esc(g.line)}${g.env ? " · " + esc(g.env) : ""}${g.item !== null ? " · item " + esc(g.item) : ""}` +
       `${g.pv === null ? "" : " · policy v" + g.pv}</h2><p class="meta">group id ${esc(g.id)}` +
       `${g.gen ? " · generation " + esc(JSON.stringify(g.gen)) : ""}${g.meta ? " · metadata " + esc(JSON.stringify(g.meta)) : ""}</p>` +
       `<h3>Scores per turn</h3>${turnTable(g)}` +

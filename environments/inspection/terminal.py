@@ -54,7 +54,7 @@ def _flags(t: ScoredTrajectory) -> list[str]:
 
 
 def group_header(s: GroupSummary) -> Rule:
-    parts = [f"group #{s.index}", f"line {s.line_no}"]
+    parts = [f"group #{s.index}", s.location]
     if s.env:
         parts.append(s.env)
     if s.item_id is not None:
@@ -183,8 +183,10 @@ def stats_tables(stats: Stats, path: Path, report: ReadReport, filter: Filter) -
         return [overview]
     overview.add_row("outcome", f"mean {stats.outcome_mean:.4g} · std {stats.outcome_std:.4g}"
                      f" · min {stats.outcome_min:.4g} · max {stats.outcome_max:.4g}")
-    overview.add_row("zero-spread groups",
-                     f"{stats.zero_spread_groups} of {stats.groups} (all outcomes equal)")
+    overview.add_row("equal-score groups",
+                     f"{stats.equal_score_groups} of {stats.groups} (every trajectory scored "
+                     "the same, turn by turn: no signal; env process counts these as "
+                     "groups_kept_equal_scores)")
     overview.add_row("truncated", f"{stats.truncated} ({stats.truncated_rate:.1%})")
     overview.add_row("tool errors", f"{stats.with_tool_errors} of {stats.trajectories} trajectories "
                      f"({stats.tool_error_rate:.1%}) · {stats.tool_errors} in all")
@@ -222,8 +224,8 @@ def stats_tables(stats: Stats, path: Path, report: ReadReport, filter: Filter) -
 
 def report_bad_lines(console: Console, path: Path, report: ReadReport) -> None:
     for bad in report.bad_lines:
-        console.print(f"{path}:{bad.line_no}: {bad.message} (skipped)", markup=False,
-                      highlight=False, soft_wrap=True)
+        console.print(f"{bad.path or path}:{bad.line_no}: {bad.message} (skipped)",
+                      markup=False, highlight=False, soft_wrap=True)
     if report.bad_lines:
         console.print(f"{len(report.bad_lines)} bad line{'s' * (len(report.bad_lines) > 1)} "
                       f"skipped in {path}", style="bold red", highlight=False,
@@ -251,7 +253,7 @@ def inspect_file(path: Path, *, filter: Filter, console: Console, err_console: C
                 break
         if found is None:
             err_console.print(f"{path}: no group {group!r} (by index from 0 or by group id); "
-                              f"the file has {report.groups} groups", highlight=False,
+                              f"it has {report.groups} groups", highlight=False,
                               soft_wrap=True)
             status = 1
         else:
