@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -337,6 +338,28 @@ class ScoredTrajectory(BaseModel):
     @property
     def turn_scores(self) -> list[float] | None:
         return self.scores if isinstance(self.scores, list) else None
+
+
+def equal_scores(trajectories: Sequence[ScoredTrajectory]) -> bool:
+    """Whether a group has no score signal: two or more trajectories, all scored the same
+    turn by turn (the same number of turn scores, each equal; a float score is one), up to
+    rounding (1e-12 relative, as the trainer's z-score). Such a group gives every advantage
+    estimator zeros. Equal *outcomes* are not enough: turn scores that differ still give a
+    turn-level signal (MT-GRPO), so such a group is not counted.
+
+    The one definition of an equal-score group: ``env process`` / ``env serve`` count (and,
+    without ``keep_equal_score_groups``, drop) these groups; ``inspect --stats`` and the
+    HTML report count them."""
+    if len(trajectories) < 2:
+        return False
+    rows = [t.scores if isinstance(t.scores, list) else [t.scores] for t in trajectories]
+    if any(len(row) != len(rows[0]) for row in rows):
+        return False
+    for column in zip(*rows):
+        top = max(abs(v) for v in column)
+        if max(column) - min(column) > 1e-12 * max(1.0, top):
+            return False
+    return True
 
 
 def _len(values: list | None) -> int | None:

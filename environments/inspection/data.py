@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from environments.jsonl_store import LocatedGroup, ReadReport, iter_located_groups
-from environments.trajectory import MASKED, Message, ScoredGroup, ScoredTrajectory
+from environments.trajectory import MASKED, Message, ScoredGroup, ScoredTrajectory, equal_scores
 
 FLAGS = ("truncated", "tool-errors", "not-trainable")
 """Trajectory flags a filter can ask for."""
@@ -397,28 +397,6 @@ def token_rows(t: ScoredTrajectory, decoder: TokenDecoder | None = None) -> list
 # -- statistics ------------------------------------------------------------------------------
 def _score_list(t: ScoredTrajectory) -> list[float]:
     return list(t.scores) if isinstance(t.scores, list) else [t.scores]
-
-
-def equal_scores(trajectories: Sequence[ScoredTrajectory]) -> bool:
-    """Whether a group has no score signal: two or more trajectories, all scored the same
-    turn by turn (the same number of turn scores, each equal; a float score is one), up to
-    rounding (1e-12 relative, as the trainer's z-score). Such a group gives every advantage
-    estimator zeros. Equal *outcomes* are not enough: turn scores that differ still give a
-    turn-level signal (MT-GRPO), so such a group is not counted.
-
-    The one definition of an equal-score group: ``env process`` / ``env serve`` count (and,
-    without ``keep_equal_score_groups``, drop) these groups; ``inspect --stats`` and the
-    HTML report count them."""
-    if len(trajectories) < 2:
-        return False
-    rows = [_score_list(t) for t in trajectories]
-    if any(len(row) != len(rows[0]) for row in rows):
-        return False
-    for column in zip(*rows):
-        top = max(abs(v) for v in column)
-        if max(column) - min(column) > 1e-12 * max(1.0, top):
-            return False
-    return True
 
 
 @dataclass
