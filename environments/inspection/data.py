@@ -395,10 +395,6 @@ def token_rows(t: ScoredTrajectory, decoder: TokenDecoder | None = None) -> list
 
 
 # -- statistics ------------------------------------------------------------------------------
-def _score_list(t: ScoredTrajectory) -> list[float]:
-    return list(t.scores) if isinstance(t.scores, list) else [t.scores]
-
-
 @dataclass
 class Stats:
     """What ``--stats`` and the report's header show, over the matching trajectories."""
