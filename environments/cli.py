@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -288,7 +289,13 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
         description="Show the groups of a JSONL file of scored groups: messages turn by turn "
                     "with each assistant turn's score, advantages, tokens and flags. Bad lines "
                     "are reported with their file and line numbers and skipped.")
-    p.add_argument("file", type=Path, help=SOURCE_HELP)
+    p.add_argument("file", type=Path, nargs="?", help=SOURCE_HELP)
+    p.add_argument("--dead-letters", metavar="API_URL",
+                   help="instead of a file: the groups the trainer set aside as dead letters "
+                        "in the rollout API at API_URL (when, group, env, reason); with --save "
+                        "FILE they are also written as JSONL, for inspect FILE and report FILE")
+    p.add_argument("--save", type=Path, metavar="FILE",
+                   help="with --dead-letters: write the dead-lettered groups to FILE (JSONL)")
     p.add_argument("--group", metavar="N|ID",
                    help="show only this group: its index in the file (from 0) or its group id; "
                         "filters do not apply")
@@ -309,6 +316,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
     from environments.inspection.terminal import inspect_file
 
+    if args.dead_letters:
+        return _run_dead_letters(args)
+    if args.file is None:
+        print("lachesis inspect: give a FILE (or --dead-letters API_URL)", file=sys.stderr)
+        return 2
     inputs = _inspection_inputs("lachesis inspect", args)
     if inputs is None:
         return 2
@@ -317,6 +329,33 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return inspect_file(args.file, filter=filter, decoder=decoder, console=Console(),
                         err_console=Console(stderr=True), group=args.group, limit=args.limit,
                         stats=args.stats, tokens=args.tokens, max_chars=args.max_chars)
+
+
+def _run_dead_letters(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rich.console import Console
+
+    from environments.api.client import APIRequestError, RolloutAPIClient
+    from environments.inspection.terminal import show_dead_letters
+
+    async def fetch() -> dict:
+        async with RolloutAPIClient(args.dead_letters, os.environ.get("LACHESIS_API_TOKEN"),
+                                    retries=1) as client:
+            return await client.dead_letters(args.limit or 100_000)
+
+    try:
+        data = asyncio.run(fetch())
+    except APIRequestError as error:
+        print(f"lachesis inspect: {args.dead_letters}: {error}", file=sys.stderr)
+        return 2
+    show_dead_letters(Console(), data, max_chars=args.max_chars)
+    if args.save is not None:
+        with open(args.save, "w") as out:
+            for letter in data["dead_letters"]:
+                out.write(json.dumps(letter["group"]) + "\n")
+        print(f"wrote {len(data['dead_letters'])} groups to {args.save}", file=sys.stderr)
+    return 0
 
 
 def _add_report(subparsers: argparse._SubParsersAction) -> None:

@@ -62,3 +62,32 @@ def test_trainer_sets_a_poison_group_aside_and_trains_on_the_rest(tiny_model_dir
             assert all(s["trained_tokens"] > 0 for s in steps)
 
     asyncio.run(scenario())
+
+
+def test_inspect_shows_dead_letters_and_saves_them_for_the_report(tmp_path, capsys):
+    from environments.cli import main
+    from environments.jsonl_store import read_groups
+
+    async def scenario():
+        async with running_api() as (url, api), RolloutAPIClient(url) as client:
+            await client.register_trainer(batch_size=4, max_token_len=64)
+            good, bad = make_group(2, seed=1), make_group(2, seed=2)
+            bad.env, bad.item_id = "arith", "item-7"
+            await client.push_group(good)
+            await client.push_group(bad)
+            leased = await client.lease()
+            from environments.api.client import RejectedGroup
+            await client.ack(leased.lease_id, [RejectedGroup.of(bad, "tokens[3] = 5000 is "
+                                                                "outside the vocabulary")])
+            out = tmp_path / "dead.jsonl"
+            code = await asyncio.to_thread(main, ["inspect", "--dead-letters", url,
+                                                  "--save", str(out)])
+            return code, out, bad
+
+    code, out, bad = asyncio.run(scenario())
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "1 groups set aside" in printed and "item-7" in printed and "arith" in printed
+    assert "outside the vocabulary" in printed
+    (saved,) = list(read_groups(out))
+    assert saved.group_id == bad.group_id and saved.trajectories[0].tokens == bad.trajectories[0].tokens

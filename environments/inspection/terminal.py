@@ -277,3 +277,27 @@ def inspect_file(path: Path, *, filter: Filter, console: Console, err_console: C
     if report.groups == 0 and report.bad_lines:
         status = 1
     return status
+
+
+def show_dead_letters(console: Console, data: dict, *, max_chars: int = 600) -> None:
+    """The rollout API's dead letters (``GET /dead_letters``): the groups the trainer set
+    aside, newest first, with what was wrong with each."""
+    import datetime
+
+    letters = data["dead_letters"]
+    shown = f" (newest {len(letters)} shown)" if len(letters) < data["total"] else ""
+    console.print(f"dead letters: {data['total']} groups set aside by the trainer{shown}",
+                  style="bold", highlight=False)
+    for letter in letters:
+        group = letter["group"]
+        when = datetime.datetime.fromtimestamp(letter["at"], datetime.timezone.utc)
+        env = group.get("env") or (f"env_id {letter['env_id']}"
+                                   if letter["env_id"] is not None else "-")
+        reason = letter["reason"]
+        if max_chars and len(reason) > max_chars:
+            reason = reason[:max_chars] + "…"
+        console.print(f"{when:%Y-%m-%d %H:%M:%S} UTC  group {letter['group_id']}  env {env}  "
+                      f"item {group.get('item_id') or '-'}  "
+                      f"{len(group.get('tokens') or [])} sequences  "
+                      f"trainer {letter['trainer'] or '-'}", highlight=False, soft_wrap=True)
+        console.print(Text("    " + reason, style="red"), soft_wrap=True)
