@@ -1,5 +1,9 @@
-"""The Lachesis trainer (policy updates from batches of scored groups).
+"""The Lachesis trainer: policy updates from batches of scored groups.
 
-The training loop lands with the trainer issue; the package exists so that the
-distribution's layout is stable from the start.
+``train.py`` is the loop, top to bottom; beside it, its building blocks: ``sources``
+(where batches come from: the rollout API, a JSONL file, SFT data), ``batch`` (checks and
+tensors), ``advantages`` and ``losses`` (the math), ``distributed`` (data parallelism,
+FSDP2), ``checkpoint``, ``metrics``, and ``vllm_sync`` / ``vllm_manager`` (new weights
+into the vLLM servers). It imports the data model, the rollout API client and the
+inference helpers of ``environments``, nothing else of it.
 """

@@ -23,24 +23,16 @@ One step:
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import os
 import random
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from environments.api.client import RejectedGroup
-from environments.jsonl_store import read_groups
-from environments.trajectory import ScoredGroup
 from trainer.advantages import compute_group_advantages
 from trainer.batch import (
     BatchError,
@@ -50,93 +42,25 @@ from trainer.batch import (
     segment_samples,
     turn_prefix_samples,
 )
+from trainer.checkpoint import latest_checkpoint, restore, save_checkpoint
 from trainer.config import TrainConfig
+from trainer.distributed import (
+    full_state_dict,
+    init_distributed,
+    optimizer_state,
+    shard_model,
+    uses_fsdp,
+)
 from trainer.losses import policy_loss, sft_loss, token_logprobs
+from trainer.metrics import Metrics, Progress
+from trainer.sources import Batch, open_source
+from trainer.vllm_sync import PolicyServers
 
 log = logging.getLogger("lachesis.train")
 
 
 class AlignmentError(RuntimeError):
     """The trainer's logprobs of the sampled tokens disagree with vLLM's."""
-
-
-# --------------------------------------------------------------------------------------
-# batches
-# --------------------------------------------------------------------------------------
-@dataclass
-class Batch:
-    groups: list[ScoredGroup]
-    lease_id: str | None = None
-    rejected: list[RejectedGroup] = field(default_factory=list)
-    """Groups set aside (they cannot be trained on); acknowledged as dead letters."""
-
-
-class JSONLBatches:
-    """Whole groups from a JSONL file, ``batch_size`` sequences per batch, cycling."""
-
-    def __init__(self, path: Path, batch_size: int):
-        self.groups = list(read_groups(path))
-        if not self.groups:
-            raise BatchError(f"{path}: no groups")
-        too_big = [g.group_id for g in self.groups if len(g.trajectories) > batch_size]
-        if too_big:
-            raise BatchError(f"{path}: group {too_big[0]} has more sequences than batch_size "
-                             f"({batch_size})")
-        self.batch_size = batch_size
-        self.position = 0
-
-    def next(self) -> Batch:
-        groups, n = [], 0
-        while True:
-            group = self.groups[self.position % len(self.groups)]
-            if n + len(group.trajectories) > self.batch_size:
-                break
-            groups.append(group)
-            n += len(group.trajectories)
-            self.position += 1
-        return Batch(groups)
-
-
-class SFTBatches:
-    """SFT examples (messages or groups, see :mod:`trainer.sft_data`), cycling."""
-
-    def __init__(self, path: Path, batch_size: int, tokenizer: Any):
-        from environments.inference.chat_template import ChatRenderer
-        from trainer.sft_data import read_sft_examples
-
-        self.examples = read_sft_examples(path, ChatRenderer(tokenizer))
-        self.batch_size = batch_size
-        self.position = 0
-
-    def next_tensors(self, pad_id: int) -> TrainBatch:
-        chosen = [self.examples[(self.position + i) % len(self.examples)]
-                  for i in range(self.batch_size)]
-        self.position += self.batch_size
-        return pack(chosen, [[0.0] * len(t.tokens) for t in chosen], pad_id=pad_id,
-                    with_logprobs=False)
-
-
-class APIBatches:
-    """Leased batches from the rollout API."""
-
-    def __init__(self, config: TrainConfig):
-        from environments.api.client import RolloutAPIClient
-
-        self.client = RolloutAPIClient(config.api_url, config.api_token)
-        self.config = config
-
-    async def register(self) -> None:
-        await self.client.register_trainer(batch_size=self.config.batch_size,
-                                           max_token_len=self.config.max_token_length)
-
-    async def next(self) -> Batch:
-        while True:
-            leased = await self.client.lease(self.config.batch_size)
-            if leased is not None:
-                for rejected in leased.rejected:
-                    log.error("setting aside %s", rejected)
-                return Batch(leased.groups, leased.lease_id, leased.rejected)
-            await asyncio.sleep(self.config.lease_poll_s)
 
 
 # --------------------------------------------------------------------------------------
@@ -227,75 +151,6 @@ def alignment_check(model: torch.nn.Module, batch: TrainBatch,
     return total / max(1, count)
 
 
-def init_distributed() -> tuple[int, int]:
-    """``(rank, world_size)``; joins the process group when started by ``torchrun``."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return (dist.get_rank() if world > 1 else 0), world
-
-
-def uses_fsdp(config: TrainConfig, world: int) -> bool:
-    if world == 1:
-        return False
-    if config.sharding == "auto":
-        return torch.cuda.is_available()
-    return config.sharding == "fsdp"
-
-
-def shard_model(model: torch.nn.Module) -> None:
-    """FSDP2: shard every transformer block (HF ``_no_split_modules``), then the root.
-
-    FSDP averages gradients over ranks; ``train_step`` scales its losses by the world size
-    to turn that back into the sum its weighting needs. (A divide factor of 1 would say it
-    directly, but gloo has no PREMUL_SUM reduction.)"""
-    from torch.distributed.fsdp import fully_shard
-
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} names no transformer block class "
-                         "(_no_split_modules): cannot shard it with FSDP")
-    for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-
-
-def full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
-    """The whole model's weights on CPU. Sharded: a collective every rank must call; rank 0
-    gets the weights, the others an empty dict."""
-    if not sharded:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def optimizer_state(model, optimizer, sharded: bool) -> dict[str, Any]:
-    """The optimizer state, unsharded (a collective when sharded, as above)."""
-    if not sharded:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_optimizer_state_dict)
-
-    return get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(model, optimizer, state: dict[str, Any], sharded: bool) -> None:
-    if not sharded:
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         set_optimizer_state_dict)
-
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
-                             options=StateDictOptions(full_state_dict=True))
-
-
 def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
                ref_model=None, rank: int = 0, world: int = 1,
                sharded: bool = False) -> dict[str, float]:
@@ -378,108 +233,10 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
 
 
 # --------------------------------------------------------------------------------------
-# checkpoints and metrics
-# --------------------------------------------------------------------------------------
-def save_checkpoint(run_dir: Path, step: int, model, optimizer_state: dict[str, Any], tokenizer,
-                    data_position: int = 0, weights: dict[str, torch.Tensor] | None = None
-                    ) -> Path:
-    """``weights``: a full state dict when the model is sharded (``full_state_dict``)."""
-    path = run_dir / "checkpoints" / f"step_{step:06d}"
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp, state_dict=weights)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer_state, "step": step,
-                "data_position": data_position,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                        "python": random.getstate()}}, tmp / "trainer_state.pt")
-    tmp.rename(path)
-    return path
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
-    return found[-1] if found else None
-
-
-class Progress:
-    """A progress bar on a terminal (tqdm); one line per step in logs and pipes."""
-
-    def __init__(self, start: int, total: int):
-        import sys
-
-        self.total = total
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-
-    def update(self, step: int, values: dict[str, Any]) -> None:
-        fields = {"reward": f"{values.get('reward_mean', float('nan')):.3f}",
-                  "loss": f"{values.get('loss', 0.0):.4f}",
-                  "kl": f"{values.get('approx_kl', 0.0):.2e}",
-                  "clip": f"{values.get('clip_fraction', 0.0):.3f}",
-                  "tok/s": f"{values['tokens_per_second']:.0f}"}
-        if self.bar is not None:
-            self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(1)
-        else:
-            print(f"step {step}/{self.total}  " + "  ".join(f"{k} {v}" for k, v in fields.items()),
-                  flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-class Metrics:
-    def __init__(self, run_dir: Path, tensorboard: bool, wandb: bool = False,
-                 config: dict[str, Any] | None = None):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        self.writer = None
-        self.wandb = None
-        if wandb:
-            try:
-                import wandb as wandb_module
-
-                self.wandb = wandb_module.init(project="lachesis", dir=str(run_dir),
-                                               config=config, resume="allow")
-            except ImportError:
-                log.warning("wandb is not installed; metrics go to metrics.jsonl only")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                log.warning("tensorboard is not installed; metrics go to metrics.jsonl only")
-
-    def log(self, step: int, values: dict[str, Any]) -> None:
-        self.file.write(json.dumps({"step": step, **values}) + "\n")
-        self.file.flush()
-        if self.writer is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, step)
-        if self.wandb is not None:
-            self.wandb.log(values, step=step)
-
-    def close(self) -> None:
-        self.file.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-# --------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------
 async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.vllm_sync import VLLMWeightSync, WeightSyncError
 
     rank, world = init_distributed()
     leader = rank == 0
@@ -487,13 +244,15 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-    run_dir = config.run_dir
-    start_step = 0
-    checkpoint = latest_checkpoint(run_dir) if config.resume else None
-    model_path = str(checkpoint) if checkpoint else config.model
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    run_dir = config.run_dir
+    rl = config.mode == "rl"
+
+    # model, optimizer, and where a previous run stopped
+    checkpoint = latest_checkpoint(run_dir) if config.resume else None
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint or config.model),
+                                                 dtype=dtype).to(device)
     sharded = uses_fsdp(config, world)
     if sharded:
         shard_model(model)
@@ -502,76 +261,42 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     vocab_size = model.get_input_embeddings().weight.shape[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                   eps=config.adam_eps, weight_decay=config.weight_decay)
-    if checkpoint is not None:
-        state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
-        load_optimizer_state(model, optimizer, state["optimizer"], sharded)
-        start_step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        log.info("resumed from %s (step %d)", checkpoint, start_step)
+    start_step, position = restore(checkpoint, model, optimizer, sharded) if checkpoint \
+        else (0, 0)
     ref_model = None
-    if config.kl_coef > 0 and config.mode == "rl":
+    if config.kl_coef > 0 and rl:
         ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device).eval()
         if sharded:
             shard_model(ref_model)
-    if config.mode == "sft":
-        if config.data is None:
-            raise ValueError("mode sft needs --data (a messages or groups JSONL)")
-        source: Any = SFTBatches(config.data, config.batch_size, tokenizer)
-        if checkpoint is not None:
-            source.position = state.get("data_position", 0)
-    elif config.data is not None:  # every rank reads the same batches
-        source = JSONLBatches(config.data, config.batch_size)
-        if checkpoint is not None:
-            source.position = state.get("data_position", 0)
-    else:  # rank 0 leases, the others receive the batch from it
-        source = APIBatches(config)
-        if leader:
-            await source.register()
-
-    if (config.vllm_urls or config.vllm_launch) and config.mode == "rl" \
-            and getattr(model.config, "tie_word_embeddings", False):
+    serves = bool(config.vllm_urls or config.vllm_launch) and rl
+    if serves and getattr(model.config, "tie_word_embeddings", False):
         raise ValueError(
             "vLLM 0.32's in-place reload_weights leaves lm_head stale when input and "
             "output embeddings are tied (measured on the CPU build): train a model with "
             "tie_word_embeddings=false, or sync by restarting vLLM")
+
+    source = await open_source(config, tokenizer, pad_id, rank=rank, world=world,
+                               position=position)
+    servers = PolicyServers(config, run_dir) if serves and leader else None
     metrics = Metrics(run_dir, config.tensorboard, config.wandb,
                       config.model_dump(mode="json")) if leader else None
+    progress = Progress(start_step, config.steps) if leader else None
     summary: dict[str, Any] = {"start_step": start_step}
-    managed = progress = None
     try:
-        vllm_urls = list(config.vllm_urls)
-        if config.vllm_launch and config.mode == "rl" and leader:
-            from trainer.vllm_manager import ManagedVLLM
-
-            managed = ManagedVLLM(config.model, port=config.vllm_port,
-                                  max_model_len=config.vllm_max_model_len,
-                                  extra_args=config.vllm_args, log_dir=run_dir)
-            vllm_urls.append(await asyncio.to_thread(managed.start))
-        latest_weights = None
-        sync = VLLMWeightSync(vllm_urls, run_dir / "weights") \
-            if vllm_urls and config.mode == "rl" and leader else None
-        progress = Progress(start_step, config.steps) if leader else None
+        if servers is not None:
+            await servers.start()
         for step in range(start_step, config.steps):
             started = time.monotonic()
-            if isinstance(source, SFTBatches):
-                batch = None
-                tensors, stats = source.next_tensors(pad_id), {"reward_mean": 0.0}
-            elif isinstance(source, APIBatches):
-                batch = await source.next() if leader else None
-                if world > 1:
-                    shared = [batch]
-                    dist.broadcast_object_list(shared, src=0)
-                    batch = shared[0]
+            # 1-2. a batch, checked, with advantages (bad groups set aside)
+            batch = await source.next()
+            if batch.tensors is not None:
+                tensors, stats = batch.tensors, {}
             else:
-                batch = source.next()
-            if batch is not None:
                 tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
-            if step == start_step == 0 and config.check_alignment and config.mode == "rl" \
+            # 3. step 0: the trainer's logprobs must be vLLM's
+            if step == start_step == 0 and config.check_alignment and rl \
                     and tensors is not None:
-                model.eval()
-                diff = alignment_check(model, tensors, config.micro_batch_size)
+                diff = alignment_check(model.eval(), tensors, config.micro_batch_size)
                 summary["alignment_mean_abs_diff"] = diff
                 log.info("alignment check: mean |trainer - vLLM| logprob = %.2e over %d tokens",
                          diff, tensors.n_tokens)
@@ -582,13 +307,13 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                         "model do not line up")
                 if check_only:
                     return summary
+            # 4. forward/backward, optimizer step
             values = dict(stats)
             if tensors is not None:
                 values.update(train_step(model, optimizer, tensors, config, ref_model=ref_model,
                                          rank=rank, world=world, sharded=sharded))
             version = step + 1
-            syncs = bool(config.vllm_urls or config.vllm_launch) and config.mode == "rl" \
-                and (version % config.sync_every == 0 or version == config.steps)
+            syncs = serves and (version % config.sync_every == 0 or version == config.steps)
             checkpoints = version % config.checkpoint_every == 0 or version == config.steps
             # Sharded weights are gathered by every rank together; rank 0 receives them.
             weights = full_state_dict(model, sharded) if sharded and (syncs or checkpoints) \
@@ -596,43 +321,29 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             optim = optimizer_state(model, optimizer, sharded) if checkpoints else None
             if not leader:  # the leader acks, syncs, logs and checkpoints
                 continue
-            if isinstance(source, APIBatches) and batch.lease_id is not None:
-                await source.client.ack(batch.lease_id, batch.rejected)
-            if managed is not None and await asyncio.to_thread(managed.ensure_running,
-                                                               latest_weights):
-                values["vllm_restarts"] = managed.restarts
-            if sync is not None and syncs:
-                sync_started = time.monotonic()
-                latest_weights = await asyncio.to_thread(sync.save, model, tokenizer, version,
-                                                         weights)
-                try:
-                    await sync.reload(latest_weights)
-                except (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError):
-                    # A launched server that died now restarts with the new weights.
-                    if managed is None or not await asyncio.to_thread(managed.ensure_running,
-                                                                      latest_weights):
-                        raise
-                    values["vllm_restarts"] = managed.restarts
-                values["sync_seconds"] = time.monotonic() - sync_started
-                if isinstance(source, APIBatches):
-                    await source.client.set_policy_version(version)
+            await source.finish(batch)
+            # 5. new weights into vLLM, then the new version to the rollout API
+            if servers is not None:
+                values.update(await servers.check())
+                if syncs:
+                    values.update(await servers.publish(model, tokenizer, version, weights))
+                    await source.publish_version(version)
+            # 6. metrics and checkpoints
             seconds = time.monotonic() - started
             values["step_seconds"] = seconds
             values["tokens_per_second"] = values.get("trained_tokens", 0) / seconds
             metrics.log(version, values)
             progress.update(version, values)
             if checkpoints:
-                save_checkpoint(run_dir, version, model, optim, tokenizer,
-                                getattr(source, "position", 0), weights)
+                save_checkpoint(run_dir, version, model, optim, tokenizer, source.position,
+                                weights)
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
     finally:
         if progress is not None:
             progress.close()
-        if managed is not None:
-            summary["vllm_url"], summary["vllm_restarts"] = managed.url, managed.restarts
-            await asyncio.to_thread(managed.stop)
+        if servers is not None:
+            summary.update(await servers.stop())
         if metrics is not None:
             metrics.close()
-        if isinstance(source, APIBatches):
-            await source.client.close()
+        await source.close()
     return summary

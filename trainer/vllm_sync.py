@@ -82,3 +82,60 @@ class VLLMWeightSync:
         log.info("weights v%d loaded into %d vLLM server(s) in %.2f s", version,
                  len(self.urls), seconds)
         return path, seconds
+
+
+class PolicyServers:
+    """The vLLM servers that serve the policy: those the config names (``vllm_urls``) and,
+    with ``vllm_launch``, one the trainer starts and restarts if it dies. After a step,
+    :meth:`publish` puts the new weights into all of them."""
+
+    def __init__(self, config: Any, run_dir: Path):
+        self.config = config
+        self.run_dir = run_dir
+        self.managed = None
+        self.sync: VLLMWeightSync | None = None
+        self.latest: Path | None = None
+
+    async def start(self) -> None:
+        urls = list(self.config.vllm_urls)
+        if self.config.vllm_launch:
+            from trainer.vllm_manager import ManagedVLLM
+
+            self.managed = ManagedVLLM(self.config.model, port=self.config.vllm_port,
+                                       max_model_len=self.config.vllm_max_model_len,
+                                       extra_args=self.config.vllm_args, log_dir=self.run_dir)
+            urls.append(await asyncio.to_thread(self.managed.start))
+        if urls:
+            self.sync = VLLMWeightSync(urls, self.run_dir / "weights")
+
+    async def check(self) -> dict[str, Any]:
+        """Restart the launched server if it died (with the latest weights)."""
+        if self.managed is not None and await asyncio.to_thread(self.managed.ensure_running,
+                                                                self.latest):
+            return {"vllm_restarts": self.managed.restarts}
+        return {}
+
+    async def publish(self, model: Any, tokenizer: Any, version: int,
+                      weights: dict[str, Any] | None) -> dict[str, Any]:
+        """Save ``version``'s weights and load them into every server; returns metrics."""
+        if self.sync is None:
+            return {}
+        started = time.monotonic()
+        values: dict[str, Any] = {}
+        self.latest = await asyncio.to_thread(self.sync.save, model, tokenizer, version, weights)
+        try:
+            await self.sync.reload(self.latest)
+        except (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError):
+            # A launched server that died now restarts with the new weights.
+            if self.managed is None or not await asyncio.to_thread(self.managed.ensure_running,
+                                                                   self.latest):
+                raise
+            values["vllm_restarts"] = self.managed.restarts
+        values["sync_seconds"] = time.monotonic() - started
+        return values
+
+    async def stop(self) -> dict[str, Any]:
+        if self.managed is None:
+            return {}
+        await asyncio.to_thread(self.managed.stop)
+        return {"vllm_url": self.managed.url, "vllm_restarts": self.managed.restarts}

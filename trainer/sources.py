@@ -1,0 +1,173 @@
+"""Where the trainer's batches come from: one interface, three sources.
+
+* :class:`APIBatches`: leased from the rollout API (RL). Rank 0 leases and acknowledges
+  after the step (naming the groups set aside as dead letters); other ranks receive the
+  batch from it.
+* :class:`JSONLBatches`: whole groups from a JSONL file, cycling (offline RL); every rank
+  reads the same batches.
+* :class:`SFTBatches`: supervised examples (messages or groups), already as tensors.
+
+The loop calls ``next()`` for a batch, ``finish(batch)`` on rank 0 once the step is done,
+``publish_version(v)`` after new weights reach vLLM, and ``close()`` at the end.
+``position`` is what a checkpoint records to resume the data where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from environments.api.client import RejectedGroup, RolloutAPIClient
+from environments.jsonl_store import read_groups
+from environments.trajectory import ScoredGroup
+from trainer.batch import BatchError, TrainBatch, pack
+from trainer.config import TrainConfig
+
+log = logging.getLogger("lachesis.train")
+
+
+@dataclass
+class Batch:
+    groups: list[ScoredGroup]
+    lease_id: str | None = None
+    rejected: list[RejectedGroup] = field(default_factory=list)
+    """Groups set aside (they cannot be trained on); acknowledged as dead letters."""
+    tensors: TrainBatch | None = None
+    """Ready-made training tensors (SFT), instead of groups."""
+
+
+class BatchSource(Protocol):
+    position: int
+
+    async def next(self) -> Batch: ...
+
+    async def finish(self, batch: Batch) -> None: ...
+
+    async def publish_version(self, version: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class _Offline:
+    """Shared by the file sources: no one to acknowledge or tell about versions."""
+
+    position = 0
+
+    async def finish(self, batch: Batch) -> None:
+        pass
+
+    async def publish_version(self, version: int) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class JSONLBatches(_Offline):
+    """Whole groups from a JSONL file, ``batch_size`` sequences per batch, cycling."""
+
+    def __init__(self, path: Path, batch_size: int):
+        self.groups = list(read_groups(path))
+        if not self.groups:
+            raise BatchError(f"{path}: no groups")
+        too_big = [g.group_id for g in self.groups if len(g.trajectories) > batch_size]
+        if too_big:
+            raise BatchError(f"{path}: group {too_big[0]} has more sequences than batch_size "
+                             f"({batch_size})")
+        self.batch_size = batch_size
+        self.position = 0
+
+    async def next(self) -> Batch:
+        groups, n = [], 0
+        while True:
+            group = self.groups[self.position % len(self.groups)]
+            if n + len(group.trajectories) > self.batch_size:
+                break
+            groups.append(group)
+            n += len(group.trajectories)
+            self.position += 1
+        return Batch(groups)
+
+
+class SFTBatches(_Offline):
+    """SFT examples (messages or groups, see :mod:`trainer.sft_data`), cycling."""
+
+    def __init__(self, path: Path, batch_size: int, tokenizer: Any, pad_id: int):
+        from environments.inference.chat_template import ChatRenderer
+        from trainer.sft_data import read_sft_examples
+
+        self.examples = read_sft_examples(path, ChatRenderer(tokenizer))
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+        self.position = 0
+
+    async def next(self) -> Batch:
+        chosen = [self.examples[(self.position + i) % len(self.examples)]
+                  for i in range(self.batch_size)]
+        self.position += self.batch_size
+        return Batch([], tensors=pack(chosen, [[0.0] * len(t.tokens) for t in chosen],
+                                      pad_id=self.pad_id, with_logprobs=False))
+
+
+class APIBatches:
+    """Leased batches from the rollout API; rank 0 leases, the other ranks receive them."""
+
+    position = 0
+
+    def __init__(self, config: TrainConfig, rank: int = 0, world: int = 1):
+        self.client = RolloutAPIClient(config.api_url, config.api_token)
+        self.config = config
+        self.rank, self.world = rank, world
+
+    async def register(self) -> None:
+        if self.rank == 0:
+            await self.client.register_trainer(batch_size=self.config.batch_size,
+                                               max_token_len=self.config.max_token_length)
+
+    async def _lease(self) -> Batch:
+        while True:
+            leased = await self.client.lease(self.config.batch_size)
+            if leased is not None:
+                for rejected in leased.rejected:
+                    log.error("setting aside %s", rejected)
+                return Batch(leased.groups, leased.lease_id, leased.rejected)
+            await asyncio.sleep(self.config.lease_poll_s)
+
+    async def next(self) -> Batch:
+        batch = await self._lease() if self.rank == 0 else None
+        if self.world > 1:
+            shared = [batch]
+            dist.broadcast_object_list(shared, src=0)
+            batch = shared[0]
+        return batch
+
+    async def finish(self, batch: Batch) -> None:
+        if batch.lease_id is not None:
+            await self.client.ack(batch.lease_id, batch.rejected)
+
+    async def publish_version(self, version: int) -> None:
+        await self.client.set_policy_version(version)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def open_source(config: TrainConfig, tokenizer: Any, pad_id: int, *, rank: int = 0,
+                      world: int = 1, position: int = 0) -> BatchSource:
+    """The source the config names: SFT data, an offline JSONL, or the rollout API."""
+    if config.mode == "sft":
+        if config.data is None:
+            raise ValueError("mode sft needs --data (a messages or groups JSONL)")
+        source: BatchSource = SFTBatches(config.data, config.batch_size, tokenizer, pad_id)
+    elif config.data is not None:
+        source = JSONLBatches(config.data, config.batch_size)
+    else:
+        source = APIBatches(config, rank, world)
+        await source.register()
+    source.position = position
+    return source
