@@ -25,7 +25,7 @@ test: install
 
 # The quickstart: tiny model, SFT warm start, MT-GRPO through the whole system (runs/quickstart/).
 demo: install
-	$(PY) -m environments.cli run configs/quickstart.yaml --fresh
+	$(PY) -m lachesis.cli run configs/quickstart.yaml --fresh
 
 bench-api: install
 	$(PY) benchmarks/api_throughput.py

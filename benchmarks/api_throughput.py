@@ -23,7 +23,7 @@ Workload (defaults; every number is a flag):
 
 Servers (each started as a subprocess on a free 127.0.0.1 port, torn down after):
   * Lachesis, durable mode (the default of `lachesis api`):
-        <this python> -m environments.cli api --host 127.0.0.1 --port P --db TMP/queue.sqlite
+        <this python> -m lachesis.cli api --host 127.0.0.1 --port P --db TMP/queue.sqlite
     and, with --lachesis-in-memory, an extra row with `--in-memory` instead of --db.
   * Atropos (atroposlib 0.4.0's trajectory API, i.e. what `run-api` starts):
         ATROPOS_PY -m uvicorn atroposlib.api:app --host 127.0.0.1 --port P --log-level warning
@@ -36,7 +36,7 @@ Servers (each started as a subprocess on a free 127.0.0.1 port, torn down after)
 The target is Lachesis (durable) >= 10x Atropos on both push and drain.
 
 Run, from the repo root, with the project's Python (it must import aiohttp and
-run `environments.cli`):
+run `lachesis.cli`):
     python benchmarks/api_throughput.py                       # both servers
     python benchmarks/api_throughput.py --setup-atropos       # create the Atropos venv first
     python benchmarks/api_throughput.py --only atropos --groups 400 --json out.json
@@ -199,7 +199,7 @@ def server_command(kind, port, tmpdir, atropos_python):
     command = [
         sys.executable,
         "-m",
-        "environments.cli",
+        "lachesis.cli",
         "api",
         "--host",
         "127.0.0.1",

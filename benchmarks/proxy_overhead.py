@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
-        from environments.tiny_model import make_tiny_model
+        from lachesis.tiny_model import make_tiny_model
 
         model_dir = make_tiny_model(Path(tmp) / SERVED_NAME, seed=0)
         server = VLLMProcess(model_dir, served_model_name=SERVED_NAME, max_model_len=4096,

@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         model_dir = args.model_dir
         if model_dir is None:
-            from environments.tiny_model import make_tiny_model
+            from lachesis.tiny_model import make_tiny_model
 
             model_dir = make_tiny_model(Path(tmp) / SERVED_NAME, seed=0)
         server = VLLMProcess(model_dir, served_model_name=SERVED_NAME,

@@ -108,7 +108,7 @@ async def rollouts(mode: str, backend: str, groups: int, image: str | None,
         await env.start()
     else:
         from environments.inference.chat_template import ChatRenderer
-        from environments.tiny_model import build_tokenizer
+        from lachesis.tiny_model import build_tokenizer
 
         env.renderer = ChatRenderer(build_tokenizer())
         await env.setup()
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_url, model_dir = args.vllm_url, args.model_dir
         if "tiny-model" in modes and vllm_url is None:
             from environments.inference.vllm_process import VLLMProcess
-            from environments.tiny_model import make_tiny_model
+            from lachesis.tiny_model import make_tiny_model
 
             model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
             server = VLLMProcess(model_dir, served_model_name="tiny", max_model_len=4096)

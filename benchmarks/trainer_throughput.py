@@ -2,7 +2,7 @@
 
 Two models, picked by ``--model`` (the default follows the device):
 
-  * ``tiny`` (default on the CPU): the test model of ``environments.tiny_model``
+  * ``tiny`` (default on the CPU): the test model of ``lachesis.tiny_model``
     (``make_tiny_model`` into a temporary directory, then ``from_pretrained`` as
     ``lachesis train`` loads it): a random Qwen2 with hidden 128, 2 layers, 2 heads,
     1 KV head, vocabulary 263, untied embeddings; float32 by default.
@@ -115,11 +115,11 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path):
 
     hf_logging.disable_progress_bar()
     if name == "tiny":
-        from environments.tiny_model import make_tiny_model
+        from lachesis.tiny_model import make_tiny_model
 
         path = make_tiny_model(tmp / "tiny")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        description = "tiny Qwen2 (environments.tiny_model.make_tiny_model, random)"
+        description = "tiny Qwen2 (lachesis.tiny_model.make_tiny_model, random)"
     elif name == "qwen2.5-0.5b":
         config = Qwen2Config(**QWEN25_05B_SHAPE)
         torch.manual_seed(0)

@@ -32,8 +32,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from environments.run.config import RunConfig  # noqa: E402
-from environments.run.supervisor import RunFailed, Supervisor  # noqa: E402
+from lachesis.run.config import RunConfig  # noqa: E402
+from lachesis.run.supervisor import RunFailed, Supervisor  # noqa: E402
 
 # arm -> (label, trainer settings)
 ARMS = {

@@ -75,7 +75,7 @@ class APIProcess:
 
     def start(self, timeout: float = 30.0) -> APIProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "environments.cli", "api", "--port", str(self.port),
+            [sys.executable, "-m", "lachesis.cli", "api", "--port", str(self.port),
              *self.args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

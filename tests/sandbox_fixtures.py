@@ -66,7 +66,7 @@ def scripted(env, script) -> Any:
     """``env`` wired to a ScriptedBackend (no inference server); returns ``env``."""
     global _RENDERER
     from environments.inference.chat_template import ChatRenderer
-    from environments.tiny_model import build_tokenizer
+    from lachesis.tiny_model import build_tokenizer
 
     if _RENDERER is None:
         _RENDERER = ChatRenderer(build_tokenizer())

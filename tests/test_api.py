@@ -232,7 +232,7 @@ def test_nothing_mutates_on_get():
 
 def test_config_file_layering_and_bad_settings(tmp_path):
     from environments.api.schemas import APIConfig
-    from environments.cli import main
+    from lachesis.cli import main
     from conftest import REPO
 
     config = APIConfig.load(REPO / "configs" / "api.yaml", port=9001)

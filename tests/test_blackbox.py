@@ -117,7 +117,7 @@ def test_agent_runs_in_the_sandbox_and_its_trajectories_pass_the_trainer_alignme
 
     # the trainer recomputes every sampled token's logprob, each segment as its own context
     check = subprocess.run(
-        [sys.executable, "-m", "environments.cli", "train", "--check", "--model",
+        [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
          str(vllm_server.model_dir), "--data", str(out), "--batch-size", "6",
          "--run-dir", str(tmp_path / "run"), "--tensorboard", "false",
          "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300)

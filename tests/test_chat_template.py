@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from environments.inference.chat_template import ChatRenderer, ChatTemplateError
-from environments.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from lachesis.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "math",
           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},

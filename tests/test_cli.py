@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from environments.cli import ENV_ACTIONS, main
+from lachesis.cli import ENV_ACTIONS, main
 from environments.registry import ENVIRONMENTS
 
 
@@ -50,7 +50,7 @@ def test_env_action_without_name_or_help_says_what_is_missing(capsys):
 
 
 def test_env_process_help_through_the_real_command():
-    done = subprocess.run([sys.executable, "-m", "environments.cli", "env", "process", "--help"],
+    done = subprocess.run([sys.executable, "-m", "lachesis.cli", "env", "process", "--help"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "usage: lachesis env process NAME" in done.stdout and "--groups" in done.stdout

@@ -65,7 +65,7 @@ def test_trainer_sets_a_poison_group_aside_and_trains_on_the_rest(tiny_model_dir
 
 
 def test_inspect_shows_dead_letters_and_saves_them_for_the_report(tmp_path, capsys):
-    from environments.cli import main
+    from lachesis.cli import main
     from environments.jsonl_store import read_groups
 
     async def scenario():

@@ -264,7 +264,7 @@ def test_serve_spools_while_the_api_is_down_and_replays_when_it_is_back(vllm_ser
 
 def test_process_writes_jsonl_for_a_user_env_file(vllm_server, tmp_path):
     out = tmp_path / "reverse.jsonl"
-    command = [sys.executable, "-m", "environments.cli", "env", "process",
+    command = [sys.executable, "-m", "lachesis.cli", "env", "process",
                "examples/reverse_word_env.py:ReverseWordEnv", "--out", str(out),
                "--groups", "2", "--group-size", "2", "--tokenizer", str(vllm_server.model_dir),
                "--inference-servers", vllm_server.url, "--max-token-length", "1536",

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 from environments.base import BaseEnv, TurnLevelRewardMixin
 from environments.agent_loop import AssistantTurn, RolloutState
-from environments.cli import main
+from lachesis.cli import main
 from environments.inspection.data import (
     Filter,
     TokenDecoder,

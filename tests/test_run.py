@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from conftest import REPO
-from environments.run.processes import processes_of_run
+from lachesis.run.processes import processes_of_run
 
 SHORT_RUN = {
     "warm_start": {"env": "arithmetic_tool", "demonstrations": 16,
@@ -38,7 +38,7 @@ def write_config(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
 
 
 def start_run(config: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "environments.cli", "run", str(config), *extra],
+    return subprocess.Popen([sys.executable, "-m", "lachesis.cli", "run", str(config), *extra],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -99,7 +99,7 @@ def test_a_process_that_dies_stops_the_run_with_its_log_tail(tiny_model_dir, tmp
     rid = run_id(run_dir)
     cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in processes_of_run(rid)}
     env_pids = [p for p, cmd in cmdlines.items()
-                if b"env\0serve" in cmd and b"environments.run.guard" not in cmd]
+                if b"env\0serve" in cmd and b"lachesis.run.guard" not in cmd]
     assert len(env_pids) == 1
     os.kill(env_pids[0], signal.SIGKILL)
     out, err = run.communicate(timeout=120)
@@ -128,14 +128,14 @@ def test_ctrl_c_during_startup_stops_everything(tiny_model_dir, tmp_path):
 def test_bad_run_config_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, "bad",
                           train={"steps": 3, "learning_rate": 0.1})
-    result = subprocess.run([sys.executable, "-m", "environments.cli", "run", str(config)],
+    result = subprocess.run([sys.executable, "-m", "lachesis.cli", "run", str(config)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "train" in result.stderr and "learning_rate" in result.stderr
     assert not (tmp_path / "runs" / "bad").exists()
     wired = write_config(tmp_path, tiny_model_dir, "wired",
                          envs=[{"name": "arithmetic_tool", "settings": {"api_url": "http://x"}}])
-    result = subprocess.run([sys.executable, "-m", "environments.cli", "run", str(wired)],
+    result = subprocess.run([sys.executable, "-m", "lachesis.cli", "run", str(wired)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "api_url" in result.stderr
 

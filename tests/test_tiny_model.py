@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from environments.inference.vllm_process import VLLMProcess, VLLMProcessError
-from environments.tiny_model import (
+from lachesis.tiny_model import (
     ENDOFTEXT,
     IM_END,
     IM_START,

@@ -177,12 +177,12 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
               # Adam's first step is ~lr * sign(g): where g ~ 0 it turns float summation-order
               # noise into lr-sized differences. A large eps keeps the step linear in g there.
               "--adam-eps", "1e-3"]
-    single = subprocess.run([sys.executable, "-m", "environments.cli", "train", *common,
+    single = subprocess.run([sys.executable, "-m", "lachesis.cli", "train", *common,
                              "--run-dir", str(tmp_path / "single")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), "-m", "environments.cli", "train"]
+                "--master-port", str(free_port()), "-m", "lachesis.cli", "train"]
     double = subprocess.run([*torchrun, *common, "--sharding", sharding,
                              "--run-dir", str(tmp_path / "double")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -304,7 +304,7 @@ def test_check_command_passes_on_real_rollouts_and_catches_an_off_by_one(vllm_se
 
     def check(data):
         return subprocess.run(
-            [sys.executable, "-m", "environments.cli", "train", "--check", "--model",
+            [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
              str(vllm_server.model_dir), "--data", str(data), "--batch-size", "8",
              "--run-dir", str(tmp_path / "run"), "--tensorboard", "false",
              "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300)

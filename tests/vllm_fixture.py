@@ -23,7 +23,7 @@ VLLM_MAX_MODEL_LEN = 4096
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from environments.tiny_model import make_tiny_model
+    from lachesis.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0)
 

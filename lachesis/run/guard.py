@@ -1,4 +1,4 @@
-"""``python -m environments.run.guard CMD...``: run CMD as a child of a guard that leads
+"""``python -m lachesis.run.guard CMD...``: run CMD as a child of a guard that leads
 its process group, and kill the whole group if the supervisor dies.
 
 ``PR_SET_PDEATHSIG`` only reaches a process's direct children, and vLLM's engine core,
@@ -14,12 +14,12 @@ import signal
 import subprocess
 import sys
 
-from environments.run.processes import prctl_parent_death_signal
+from lachesis.run.processes import prctl_parent_death_signal
 
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m environments.run.guard CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m lachesis.run.guard CMD [ARGS...]", file=sys.stderr)
         return 2
     parent = os.getppid()
 

@@ -217,7 +217,7 @@ def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
-    from environments.tiny_model import make_tiny_model
+    from lachesis.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.out, seed=args.seed)
     print(f"tiny model written to {path}")
@@ -238,8 +238,8 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from environments.run.config import RunConfig
-    from environments.run.supervisor import run
+    from lachesis.run.config import RunConfig
+    from lachesis.run.supervisor import run
 
     try:
         config = RunConfig.load(args.config, name=args.name)

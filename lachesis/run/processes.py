@@ -5,7 +5,7 @@ Three layers make sure no process of a run outlives it:
 
 * every child is a process-group leader (``start_new_session``): stopping it signals the
   group, so e.g. vLLM's engine core or torchrun's workers go with it;
-* every command runs under a guard (:mod:`environments.run.guard`) that leads the group
+* every command runs under a guard (:mod:`lachesis.run.guard`) that leads the group
   and has a parent-death signal: if the supervisor itself is killed, the guard kills its
   whole group, grandchildren included;
 * every process of the run inherits ``LACHESIS_RUN_ID``; at the end the supervisor (a
@@ -65,7 +65,7 @@ class ChildProcess:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "environments.run.guard", *self.command],
+                [sys.executable, "-m", "lachesis.run.guard", *self.command],
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True)
         return self

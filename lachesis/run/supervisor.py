@@ -29,10 +29,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from environments.run.config import RunConfig, write_yaml
-from environments.run.processes import (RUN_ID_VARIABLE, ChildProcess, become_subreaper,
+from lachesis.run.config import RunConfig, write_yaml
+from lachesis.run.processes import (RUN_ID_VARIABLE, ChildProcess, become_subreaper,
                                         kill_leftovers)
-from environments.run.progress import RunProgress, last_metrics
+from lachesis.run.progress import RunProgress, last_metrics
 
 log = logging.getLogger("lachesis.run")
 
@@ -56,7 +56,7 @@ def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
 
 
 def _lachesis(*args: str) -> list[str]:
-    return [sys.executable, "-m", "environments.cli", *args]
+    return [sys.executable, "-m", "lachesis.cli", *args]
 
 
 class Supervisor:
@@ -122,7 +122,7 @@ class Supervisor:
         config = self.config
         model = config.model
         if config.build_tiny_model and not Path(model).exists():
-            from environments.tiny_model import make_tiny_model
+            from lachesis.tiny_model import make_tiny_model
 
             self.say(f"building the tiny model in {model}")
             make_tiny_model(model)
@@ -258,7 +258,7 @@ class Supervisor:
         if config.evaluate:
             summary["after"] = self.evaluate("after", env_yamls)
 
-        from environments.run.report import write_summary
+        from lachesis.run.report import write_summary
 
         summary.update(write_summary(run_dir, summary, train_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
