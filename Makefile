@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench-api bench-rollout bench-trainer bench-report clean
+.PHONY: install test test-fast demo bench-api bench-rollout bench-trainer bench-report clean
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q
+
+# Only the tests that start none of vLLM, docker and Chromium (markers: tests/conftest.py).
+test-fast: install
+	$(PY) -m pytest -q -m unit
 
 # The quickstart: tiny model, SFT warm start, MT-GRPO through the whole system (runs/quickstart/).
 demo: install

@@ -112,3 +112,28 @@ def api_process():
     for p in started:
         p.kill()
 from vllm_fixture import tiny_model_dir, vllm_server  # noqa: E402,F401  (one vLLM server per test session)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that start real heavy components, so ``pytest -m unit`` (or
+    ``make test-fast``) runs the rest in about a minute: ``vllm`` (a vLLM CPU server),
+    ``docker`` (the docker daemon and an image), ``chromium`` (headless Chromium). The
+    markers come from the fixtures and parameters a test uses, so a new test is marked
+    without anyone remembering to."""
+    import pytest as _pytest
+
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        params = {str(v) for v in callspec.params.values()} if callspec else set()
+        heavy = set()
+        if "vllm_server" in names or item.get_closest_marker("vllm"):
+            heavy.add("vllm")
+        if "docker_image" in names or "docker" in params or item.get_closest_marker("docker"):
+            heavy.add("docker")
+        if "chromium" in item.name or item.get_closest_marker("chromium"):
+            heavy.add("chromium")
+        for mark in heavy:
+            item.add_marker(getattr(_pytest.mark, mark))
+        if not heavy:
+            item.add_marker(_pytest.mark.unit)

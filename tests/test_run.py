@@ -11,10 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import REPO
 from lachesis.run.processes import processes_of_run
+
+pytestmark = pytest.mark.vllm  # every run starts its own vLLM server
 
 SHORT_RUN = {
     "warm_start": {"env": "arithmetic_tool", "demonstrations": 16,
