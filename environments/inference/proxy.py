@@ -137,8 +137,10 @@ def normalize_message(message: dict[str, Any], index: int) -> Message:
                 raise RequestError(f"{where}.tool_calls[{j}].function.name: missing")
             arguments = _arguments(function.get("arguments", "{}"))
             calls.append([function["name"], arguments])
-            rendered_calls.append({"type": "function", "function": {
-                "name": function["name"], "arguments": arguments}})
+            rendered_calls.append({
+                **({"id": call["id"]} if isinstance(call.get("id"), str) else {}),
+                "type": "function", "function": {"name": function["name"],
+                                                 "arguments": arguments}})
         rendered["tool_calls"] = rendered_calls
     if role == "tool":
         for name in ("tool_call_id", "name"):
@@ -146,6 +148,22 @@ def normalize_message(message: dict[str, Any], index: int) -> Message:
                 rendered[name] = message[name]
     key = json.dumps([role, text, calls], sort_keys=True, default=str)
     return Message(rendered, key)
+
+
+def trajectory_message(rendered: dict[str, Any]) -> dict[str, Any]:
+    """A recorded message in the trajectory's form (:class:`environments.trajectory.Message`):
+    tool-call arguments as JSON strings, as in the OpenAI API. (The chat template gets
+    them as objects: templates such as Qwen2.5's write ``arguments | tojson``, which would
+    encode a string a second time.)"""
+    if not rendered.get("tool_calls"):
+        return dict(rendered)
+    calls = []
+    for call in rendered["tool_calls"]:
+        arguments = call["function"]["arguments"]
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return {**rendered, "tool_calls": calls}
 
 
 @dataclass
@@ -181,11 +199,12 @@ class InterceptedRollout:
 
     def to_rollout_state(self) -> RolloutState:
         """The trajectory so far: tokens of every segment, turns in order, the last
-        segment's conversation as ``messages``, segment starts and reasons in ``extra``."""
+        segment's conversation as ``messages`` (in the trajectory's form, see
+        :func:`trajectory_message`), segment starts and reasons in ``extra``."""
         state = self.state
         if self.segments:
             last = self.segments[-1]
-            state.messages = [m.rendered for m in last.messages]
+            state.messages = [trajectory_message(m.rendered) for m in last.messages]
             state.tools = last.tools
         state.segment_starts = [s.start for s in self.segments[1:]]
         state.extra["segments"] = [{"start": s.start, "reason": s.reason,
@@ -392,9 +411,9 @@ class InterceptionProxy:
         echo = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         segment.messages.append(Message(
             rendered={"role": "assistant", "content": generated.text,
-                      **({"tool_calls": [{"type": "function", "function": {
+                      **({"tool_calls": [{"id": call["id"], "type": "function", "function": {
                           "name": c.name, "arguments": c.arguments}}
-                          for c in parsed.calls]} if parsed.calls else {})},
+                          for c, call in zip(parsed.calls, calls)]} if calls else {})},
             key=normalize_message(echo, len(segment.messages)).key))
         rollout.limit = None  # an agent that shortened its context after a refusal went on
         if generated.finish_reason == "length":
