@@ -264,3 +264,36 @@ def test_an_openai_agent_making_valid_tool_calls_for_several_turns_gives_a_valid
     assert state.tokens[:state.turns[0].span[0]] == renderer.prompt_ids(START, TOOLS)
     assert [m.content for m in recorded if m.role == "assistant"] == \
         [t.text for t in state.turns]
+
+
+def test_the_agents_sampling_fields_are_ignored_and_its_max_tokens_only_shortens(vllm_server):
+    async def main():
+        async with running_proxy(vllm_server) as (proxy, renderer, sampled):
+            complete, asked = proxy.backend.pool.complete, []
+
+            async def record(prompt_ids, **kwargs):
+                asked.append(kwargs)
+                return await complete(prompt_ids, **kwargs)
+
+            proxy.backend.pool.complete = record
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            replies = []
+            for limits in ({"max_tokens": 5}, {"max_completion_tokens": 1000},
+                           {"max_tokens": 7, "max_completion_tokens": 3}):
+                replies.append(await client.chat.completions.create(
+                    model="tiny", messages=START, temperature=0.0, top_p=0.01, seed=3,
+                    stop=["\n"], presence_penalty=1.5, **limits))
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return asked, replies, state
+
+    asked, replies, state = asyncio.run(main())
+    # the env's sampling settings, whatever the agent asked for
+    assert [a["sampling"] for a in asked] == [{"temperature": 1.0}] * 3
+    # max_tokens shortens below the env's max_tokens_per_turn (24), never lengthens
+    assert [a["max_tokens"] for a in asked] == [5, 24, 3]
+    for reply, limit, turn in zip(replies, (5, 24, 3), state.turns):
+        assert reply.usage.completion_tokens == turn.span[1] - turn.span[0] <= limit
+        if turn.finish_reason == "length":
+            assert reply.choices[0].finish_reason == "length" and state.truncated

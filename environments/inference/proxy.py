@@ -19,12 +19,20 @@ A black-box agent (any program using an OpenAI client) is pointed at
    replies with an OpenAI ``chat.completion`` (or, with ``stream: true``, the same reply as
    server-sent ``chat.completion.chunk`` events).
 
+Sampling: every field that would change the distribution the tokens are drawn from
+(``temperature``, ``top_p``, ``top_k``, penalties, ``logit_bias``, ``seed``, ``stop``,
+``response_format``...) is ignored; the env's settings apply. The one exception is length:
+``max_tokens`` / ``max_completion_tokens`` (the smaller, when both are given) are honoured,
+but only to shorten a reply below the env's limits (``max_tokens_per_turn`` and the room
+left in ``max_token_length``), never to lengthen it. A reply cut there has
+``finish_reason: "length"`` and flags the rollout truncated, as any reply cut at a limit.
+
 Limits: past ``max_turns`` model calls, or when a segment's context no longer fits in
 ``max_token_length``, the request is refused with HTTP 400 (``code``:
 ``max_turns_exceeded`` / ``context_length_exceeded``) and the rollout is flagged truncated.
 Anything else the agent asks for that cannot be honoured exactly (``n > 1``, non-text
-content) is refused with 400 and a message naming the field; sampling fields
-(``temperature``, ``top_p``...) are ignored.
+content) is refused with 400 and a message naming the field; sampling fields are ignored
+(see above; ``max_tokens`` only shortens).
 
 The rollout's trajectory (:meth:`InterceptedRollout.to_rollout_state`) is one token
 sequence: its segments one after the other, with ``segment_starts`` marking where each new
@@ -58,7 +66,8 @@ log = logging.getLogger(__name__)
 
 class ChatCompletionRequest(BaseModel):
     """The fields of an OpenAI chat-completions request the proxy reads; others are
-    accepted and ignored (sampling is the env's)."""
+    accepted and ignored (sampling is the env's). ``max_tokens`` and
+    ``max_completion_tokens`` may only shorten a reply below the env's limits."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -389,8 +398,8 @@ class InterceptionProxy:
 
         context = state.tokens[segment.start:]
         room = self.max_token_length - len(context)
-        asked = body.max_completion_tokens or body.max_tokens
-        max_tokens = min(x for x in (room, self.max_tokens_per_turn, asked) if x is not None)
+        max_tokens = min(x for x in (room, self.max_tokens_per_turn, body.max_tokens,
+                                     body.max_completion_tokens) if x is not None)
         version = self.policy_version()
         generated = await rollout.backend.generate_from(context, max_tokens)
         start = len(state.tokens)
