@@ -23,9 +23,12 @@ per-rollout state::
                                     finishes                              (default: deepcopy)
 
 Everything else (group collection, scoring, delivery to the rollout API or a JSONL file,
-counters) is done here. A rollout that fails, or a reward list of the wrong length, drops
-its whole group: it is logged with the item id and counted, never replaced by a made-up
-score.
+counters) is done here. A rollout that fails, a reward list of the wrong length, or a
+rollout that is not a valid trajectory drops its whole group: it is logged with the item id
+and counted (``groups_failed`` / ``reward_errors``, the last few in ``recent_failures``),
+never replaced by a made-up score, and the run goes on. Only when
+``max_failed_groups_in_a_row`` groups fail one after the other (a broken setup: every group
+would fail) does ``process``/``serve`` stop with an error (the CLI exits 1).
 """
 
 from __future__ import annotations
@@ -137,13 +140,18 @@ class RewardError(ValueError):
     """An env's reward hook (or reward function) raised or returned something unusable."""
 
 
+RECENT_FAILURES = 10
+"""How many dropped groups ``EnvStats.recent_failures`` keeps."""
+
+
 @dataclass
 class EnvStats:
     groups_sent: int = 0
     groups_dropped_equal_scores: int = 0
     groups_kept_equal_scores: int = 0
     groups_failed: int = 0
-    """Groups dropped because a rollout raised."""
+    """Groups dropped because a rollout raised, or could not be turned into a valid
+    trajectory (each logged with its item id; the run goes on)."""
     reward_errors: int = 0
     """Groups dropped because a reward hook or reward function raised or returned a bad
     value."""
@@ -157,6 +165,9 @@ class EnvStats:
     assistant_turns: int = 0
     sampled_tokens: int = 0
     not_prefix_preserving: int = 0
+    recent_failures: list[dict[str, str]] = field(default_factory=list)
+    """The last ``RECENT_FAILURES`` dropped groups (failed or reward errors): item id and
+    the first error."""
 
 
 def _check_reward_value(value: Any, per_turn: bool, n_turns: int
@@ -505,20 +516,26 @@ class BaseEnv:
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            if any(isinstance(e, RewardError) for e in errors):
-                self.stats.reward_errors += 1
-            else:
-                self.stats.groups_failed += 1
-            self._failed_in_a_row += 1
-            first = errors[0]
-            self.last_error = f"{type(first).__name__}: {first}"
-            log.error("group for item %s dropped: %d of %d rollouts failed; first: %s: %s",
-                      item_id, len(errors), len(results), type(first).__name__, first)
-            if not isinstance(first, Exception):
-                raise first
+            self.group_failed(item_id, errors[0], f"{len(errors)} of {len(results)} "
+                              "rollouts failed", reward=any(isinstance(e, RewardError)
+                                                            for e in errors))
+            if not isinstance(errors[0], Exception):
+                raise errors[0]
+            return None
+        try:
+            trajectories = [self.to_trajectory(item, rollout, scores)
+                            for rollout, scores in results]
+            group = ScoredGroup(
+                group_id=uuid.uuid4().hex, env=self.name, item_id=item_id,
+                trajectories=trajectories,
+                generation_params={"max_turns": self.config.max_turns,
+                                   "max_token_length": self.config.max_token_length,
+                                   **self.config.sampling()})
+        except Exception as error:  # e.g. a message that breaks the data contract
+            self.group_failed(item_id, error, "a rollout is not a valid trajectory",
+                              traceback=True)
             return None
         self._failed_in_a_row = 0
-        trajectories = [self.to_trajectory(item, rollout, scores) for rollout, scores in results]
         for rollout, _ in results:
             s = self.stats
             s.trajectories += 1
@@ -534,12 +551,28 @@ class BaseEnv:
                 self.stats.groups_dropped_equal_scores += 1
                 return None
             self.stats.groups_kept_equal_scores += 1
-        return ScoredGroup(
-            group_id=uuid.uuid4().hex, env=self.name, item_id=item_id,
-            trajectories=trajectories,
-            generation_params={"max_turns": self.config.max_turns,
-                               "max_token_length": self.config.max_token_length,
-                               **self.config.sampling()})
+        return group
+
+    def group_failed(self, item_id: str | None, error: BaseException, why: str, *,
+                     reward: bool = False, traceback: bool = False) -> None:
+        """Count and log a group that is dropped because of ``error`` (never scored):
+        ``reward_errors`` when a reward hook is to blame, else ``groups_failed``."""
+        if reward:
+            self.stats.reward_errors += 1
+        else:
+            self.stats.groups_failed += 1
+        self._failed_in_a_row += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        self.stats.recent_failures = [*self.stats.recent_failures[1 - RECENT_FAILURES:],
+                                      {"item_id": str(item_id), "error": self.last_error[:500]}]
+        log.error("group for item %s dropped: %s; first: %s", item_id, why, self.last_error,
+                  exc_info=error if traceback else None)
+
+    def _item_id_or_none(self, item: Any) -> str | None:
+        try:
+            return None if item is None else self.item_id(item)
+        except Exception:  # noqa: BLE001 - only for the log line of a failure
+            return None
 
     # -- running -------------------------------------------------------------------------
     async def run_groups(self, delivery: Any, n_groups: int | None) -> None:
@@ -562,14 +595,23 @@ class BaseEnv:
                     await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
                     continue
                 in_progress += 1
+                item = None
                 try:
                     item = await self.get_next_item()
                     group = await self.collect_group(item)
+                except Exception as error:  # a hook outside the rollouts: one failed group
+                    self.group_failed(self._item_id_or_none(item), error,
+                                      "the group could not be collected", traceback=True)
+                    group = None
                 finally:
                     in_progress -= 1
                 if self._failed_in_a_row >= self.config.max_failed_groups_in_a_row:
-                    raise RuntimeError(f"{self._failed_in_a_row} groups in a row failed; "
-                                       f"last error: {self.last_error}")
+                    s = self.stats
+                    raise RuntimeError(
+                        f"{self._failed_in_a_row} groups in a row failed, so the setup looks "
+                        f"broken ({s.groups_sent} groups sent, {s.groups_failed} failed, "
+                        f"{s.reward_errors} reward errors in all); last error: "
+                        f"{self.last_error}")
                 if group is None:
                     continue
                 if n_groups is not None and reserved >= n_groups:

@@ -22,9 +22,10 @@ Hooks (besides ``BaseEnv``'s ``get_next_item`` and the reward hooks)::
     finish_sandbox(item, sandbox, rollout)
                                          take out what grading needs
 
-A rollout fails (its group is dropped and counted, never scored) when the agent runs past
-``agent_timeout_s``, exits non-zero without having hit a proxy limit, or never called the
-model.
+A rollout fails (its group is dropped, counted and logged with its item id, never scored;
+the run goes on) when the agent runs past ``agent_timeout_s``, exits non-zero without
+having hit a proxy limit, never called the model, or one of its model calls failed (vLLM,
+or an error in the proxy).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
                                 "stdout_tail": result.stdout[-2000:],
                                 "stderr_tail": result.stderr[-2000:]}
         if rollout.failure is not None:
-            raise AgentError(f"item {item_id}: inference failed during the agent run: "
+            raise AgentError(f"item {item_id}: a model call failed during the agent run: "
                              f"{rollout.failure}")
         if result.timed_out:
             stats.timeouts += 1

@@ -197,3 +197,124 @@ def test_swe_fix_end_to_end_a_fixing_agent_is_resolved_and_a_random_policy_is_no
     for t in group.trajectories:
         assert t.outcome == 0.0 and t.metadata["metrics"]["resolved"] == 0.0
         assert t.messages[0].content == SYSTEM
+
+
+def process_cli(vllm_server, tmp_path, env: str, settings: dict, groups: int):
+    """``lachesis env process ENV`` with ``settings`` as its --config file."""
+    import yaml
+
+    config = tmp_path / "env.yaml"
+    config.write_text(yaml.safe_dump({
+        "tokenizer": str(vllm_server.model_dir), "inference_servers": [vllm_server.url],
+        "keep_equal_score_groups": True, "spool_path": str(tmp_path / "spool.jsonl"),
+        **settings}))
+    out = tmp_path / "groups.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "environments.cli", "env", "process", env, "--config",
+         str(config), "--out", str(out), "--groups", str(groups), "--log-level", "WARNING"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    return done, out
+
+
+def assert_clean_exit(stderr: str) -> None:
+    """Nothing left running when the event loop closed: no tracebacks at exit."""
+    for symptom in ("Traceback", "Event loop is closed", "was never retrieved",
+                    "Task was destroyed"):
+        assert symptom not in stderr, stderr[-3000:]
+
+
+# The tiny random model makes no valid tool calls on its own: vLLM's structured outputs
+# constrain it to a calculator call on two numbers or a final answer (still vLLM's sampled
+# tokens and logprobs).
+CALCULATOR_CALL_OR_ANSWER = (
+    r'(<tool_call>\n\{"name": "calculator", "arguments": \{"expression": '
+    r'"[1-9][0-9]? [+] [1-9][0-9]?"\}\}\n</tool_call>|The answer is [1-9][0-9]{0,2}\.)')
+
+
+def test_the_custom_agent_example_makes_valid_tool_calls_in_the_sandbox_through_the_proxy(
+        vllm_server, tmp_path):
+    """examples/calculator_agent: its own openai-client agent, copied into a bwrap sandbox
+    and run there; valid tool calls over several turns give valid groups, exit 0."""
+    done, out = process_cli(
+        vllm_server, tmp_path, "examples/calculator_agent/env.py:CalculatorAgentEnv",
+        {"group_size": 4, "max_turns": 4, "max_tokens_per_turn": 128,
+         "max_token_length": 3500, "agent_timeout_s": 120,
+         "sampling_extra": {"structured_outputs": {"regex": CALCULATOR_CALL_OR_ANSWER}}}, 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_clean_exit(done.stderr)
+    stats = json.loads(done.stdout)
+    assert stats["groups_sent"] == 2 and stats["groups_failed"] == 0, stats
+    assert stats["agent"]["runs"] == 8 and stats["tool_errors"] == 0
+    assert stats["tool_calls"] >= 2, stats  # ~half of the turns are calls; 8 runs make some
+
+    groups = list(read_groups(out))
+    assert len(groups) == 2
+    multi_turn = 0
+    for group in groups:
+        assert group.env == "calculator_agent"
+        a, b = map(int, group.item_id.split("+"))
+        for t in group.trajectories:
+            assert t.messages[1].content == f"What is {a} + {b}?"  # the agent's own prompt
+            assert len(t.scores) == len(t.turn_spans)
+            for start, end in t.turn_spans:
+                assert t.masks[start:end] == t.tokens[start:end]
+            calls = [m.tool_calls[0] for m in t.messages if m.tool_calls]
+            results = [m for m in t.messages if m.role == "tool"]
+            multi_turn += len(t.turn_spans) > 1
+            # every call the model made was run by the agent in the sandbox: the next
+            # request carried its result, under the call's id
+            for call, result in zip(calls, results):
+                x, _, y = json.loads(call.function.arguments)["expression"].split()
+                assert result.tool_call_id == call.id and result.content == str(int(x) + int(y))
+            assert t.scores[:-1] == [1.0] * (len(t.scores) - 1)  # valid, executed calls
+            answered = t.metadata["agent"]["exit_code"] == 0
+            assert t.metadata["metrics"]["answered"] == float(answered)
+            if answered:
+                assert t.messages[-1].content.startswith("The answer is")
+                assert t.scores[-1] == float(t.messages[-1].content == f"The answer is {a + b}.")
+    assert multi_turn >= 1
+
+
+HANGS_UNLESS_FIRST = '''
+import itertools
+from environments import BaseEnv, TurnLevelRewardMixin
+from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
+
+class FirstFailsEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
+    """The first item's agent exits at once without calling the model (its group fails);
+    the others' agents hang."""
+    name = "first_fails"
+    config_class = BlackBoxEnvConfig
+    items = itertools.count()
+
+    async def get_next_item(self):
+        return {"id": str(next(self.items))}
+
+    def agent_task(self, item):
+        return "wait"
+
+    def agent_command(self, item):
+        if item["id"] == "0":
+            return ["python3", "-c", "raise SystemExit(1)"]
+        return ["python3", "-c", "import time; time.sleep(300)", "MARKER"]
+
+    def compute_turn_rewards(self, item, rollout):
+        return [0.0] * len(rollout.turns)
+'''
+
+
+def test_a_run_stopped_by_failing_groups_kills_the_agents_in_flight_and_exits_cleanly(
+        vllm_server, tmp_path):
+    """With max_failed_groups_in_a_row reached while other agents still run, the run
+    stops with one error line: the agents are killed and reaped, no traceback at exit."""
+    marker = f"lachesis-inflight-{uuid.uuid4().hex[:8]}"
+    env_file = tmp_path / "first_fails.py"
+    env_file.write_text(HANGS_UNLESS_FIRST.replace("MARKER", marker))
+    done, _ = process_cli(vllm_server, tmp_path, f"{env_file}:FirstFailsEnv",
+                          {"group_size": 1, "concurrency": 3, "agent_timeout_s": 200,
+                           "max_failed_groups_in_a_row": 1}, 3)
+    assert done.returncode == 1
+    assert "1 groups in a row failed" in done.stderr and "without calling the model" in \
+        done.stderr, done.stderr[-3000:]
+    assert_clean_exit(done.stderr)
+    assert not host_processes_mentioning(marker)

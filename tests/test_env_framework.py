@@ -195,6 +195,39 @@ def test_wrong_number_of_turn_rewards_drops_the_group_and_counts_it(vllm_server,
     assert item["id"] in caplog.text and "compute_turn_rewards returned" in caplog.text
 
 
+class OneBadItemEnv(ArithmeticToolEnv):
+    """The first item's rollouts record a message that breaks the trajectory's data
+    contract (tool-call arguments as an object, as the interception proxy once did)."""
+
+    bad_item_id = None
+
+    async def collect_trajectory(self, item, *, evaluation=False):
+        rollout = await super().collect_trajectory(item, evaluation=evaluation)
+        if self.bad_item_id in (None, item["id"]):
+            self.bad_item_id = item["id"]
+            rollout.messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calculator",
+                                                  "arguments": {"expression": "1 + 1"}}}]})
+        return rollout
+
+
+def test_a_group_that_breaks_the_data_contract_fails_alone_and_the_run_goes_on(
+        vllm_server, tmp_path, caplog):
+    out = tmp_path / "groups.jsonl"
+    env = OneBadItemEnv(ArithmeticToolConfig(
+        tokenizer=str(vllm_server.model_dir), inference_servers=[vllm_server.url],
+        group_size=2, concurrency=2, sampling_extra=structured(CALL_OR_ANSWER),
+        keep_equal_score_groups=True))
+
+    stats = asyncio.run(with_env(env, lambda env: env.process(out, 2)))
+    assert stats["groups_sent"] == 2 and stats["groups_failed"] == 1, stats
+    [failure] = stats["recent_failures"]
+    assert failure["item_id"] == env.bad_item_id and "arguments" in failure["error"]
+    assert f"group for item {env.bad_item_id} dropped" in caplog.text
+    groups = list(read_groups(out))  # only the good groups, valid
+    assert len(groups) == 2 and env.bad_item_id not in {g.item_id for g in groups}
+
+
 def test_serve_pushes_groups_that_the_trainer_leases(vllm_server, tmp_path):
     async def scenario():
         async with running_api() as (url, _api):

@@ -17,7 +17,7 @@ from environments.inference.chat_template import ChatRenderer
 from environments.inference.proxy import InterceptionProxy, normalize_message
 from environments.inference.vllm_client import VLLMServerPool
 from environments.tool_parsers import get_parser
-from environments.trajectory import MASKED
+from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory, TrajectoryFlags
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -199,3 +199,101 @@ def test_an_agent_that_compacts_after_a_context_length_refusal_goes_on_in_a_new_
     assert refused.code == "context_length_exceeded"
     assert len(state.turns) == 2 and len(state.segment_starts) == 1
     assert state.stop == "answer"  # the refusal was not the end of the rollout
+
+
+# vLLM's structured outputs make the random tiny model emit a well-formed calculator call
+# every turn: still vLLM's own sampled tokens and logprobs, only constrained.
+CALL_REGEX = (r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": '
+              r'"[1-9][0-9]? [+*-] [1-9][0-9]?"\}\}\n</tool_call>')
+VALID_CALLS = {"temperature": 1.0, "structured_outputs": {"regex": CALL_REGEX}}
+
+
+def calculate(arguments: str) -> str:
+    """The agent's calculator: ``a op b`` (the only form the regex allows)."""
+    a, op, b = json.loads(arguments)["expression"].split()
+    return str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op])
+
+
+def test_an_openai_agent_making_valid_tool_calls_for_several_turns_gives_a_valid_trajectory(
+        vllm_server):
+    """The official client's tool-call loop, three turns of well-formed calls: the recorded
+    trajectory follows the data contract (arguments as JSON strings, the call ids the
+    agent got) and still holds exactly vLLM's tokens."""
+    async def main():
+        async with running_proxy(vllm_server, max_tokens_per_turn=128,
+                                 max_token_length=4000) as (proxy, renderer, sampled):
+            proxy.backend.sampling = VALID_CALLS
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            messages, received = list(START), []
+            for _ in range(3):
+                reply = (await client.chat.completions.create(
+                    model="tiny", messages=messages, tools=TOOLS)).choices[0]
+                assert reply.finish_reason == "tool_calls", reply
+                messages.append(echo(reply.message))
+                for call in reply.message.tool_calls:
+                    received.append((call.id, call.function.name, call.function.arguments))
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": calculate(call.function.arguments)})
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return renderer, sampled, messages, received, state
+
+    renderer, sampled, messages, received, state = asyncio.run(main())
+    assert len(state.turns) == len(sampled) == 3 and state.segment_starts == []
+    assert all(len(t.tool_calls) == 1 and not t.tool_errors for t in state.turns)
+    # the trajectory, as an env sends it (and as the JSONL file and the API read it back)
+    trajectory = ScoredTrajectory(
+        tokens=state.tokens, masks=state.masks, inference_logprobs=state.logprobs,
+        scores=[0.0, 0.5, 1.0], turn_spans=[list(t.span) for t in state.turns],
+        messages=state.messages, flags=TrajectoryFlags(tool_errors=state.tool_errors))
+    group = ScoredGroup.model_validate_json(ScoredGroup(
+        env="proxy", item_id="12*7", trajectories=[trajectory, trajectory]).model_dump_json())
+    recorded = group.trajectories[0].messages
+    # the proxy saw everything up to the last reply (the last tool result was never sent)
+    assert [m.role for m in recorded] == [m["role"] for m in messages[:-1]]
+    calls = [(c.id, c.function.name, c.function.arguments)
+             for m in recorded if m.tool_calls for c in m.tool_calls]
+    assert calls == received  # what the agent was given, arguments as JSON strings
+    assert [m.tool_call_id for m in recorded if m.role == "tool"] == [c[0] for c in received[:-1]]
+    for turn, (_, completion) in zip(state.turns, sampled):
+        start, end = turn.span
+        assert state.tokens[start:end] == state.masks[start:end] == completion.token_ids
+        assert state.logprobs[start:end] == completion.logprobs
+    # each recorded assistant message is the turn's sampled text, after the agent's prompt
+    assert state.tokens[:state.turns[0].span[0]] == renderer.prompt_ids(START, TOOLS)
+    assert [m.content for m in recorded if m.role == "assistant"] == \
+        [t.text for t in state.turns]
+
+
+def test_the_agents_sampling_fields_are_ignored_and_its_max_tokens_only_shortens(vllm_server):
+    async def main():
+        async with running_proxy(vllm_server) as (proxy, renderer, sampled):
+            complete, asked = proxy.backend.pool.complete, []
+
+            async def record(prompt_ids, **kwargs):
+                asked.append(kwargs)
+                return await complete(prompt_ids, **kwargs)
+
+            proxy.backend.pool.complete = record
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            replies = []
+            for limits in ({"max_tokens": 5}, {"max_completion_tokens": 1000},
+                           {"max_tokens": 7, "max_completion_tokens": 3}):
+                replies.append(await client.chat.completions.create(
+                    model="tiny", messages=START, temperature=0.0, top_p=0.01, seed=3,
+                    stop=["\n"], presence_penalty=1.5, **limits))
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return asked, replies, state
+
+    asked, replies, state = asyncio.run(main())
+    # the env's sampling settings, whatever the agent asked for
+    assert [a["sampling"] for a in asked] == [{"temperature": 1.0}] * 3
+    # max_tokens shortens below the env's max_tokens_per_turn (24), never lengthens
+    assert [a["max_tokens"] for a in asked] == [5, 24, 3]
+    for reply, limit, turn in zip(replies, (5, 24, 3), state.turns):
+        assert reply.usage.completion_tokens == turn.span[1] - turn.span[0] <= limit
+        if turn.finish_reason == "length":
+            assert reply.choices[0].finish_reason == "length" and state.truncated

@@ -19,12 +19,20 @@ A black-box agent (any program using an OpenAI client) is pointed at
    replies with an OpenAI ``chat.completion`` (or, with ``stream: true``, the same reply as
    server-sent ``chat.completion.chunk`` events).
 
+Sampling: every field that would change the distribution the tokens are drawn from
+(``temperature``, ``top_p``, ``top_k``, penalties, ``logit_bias``, ``seed``, ``stop``,
+``response_format``...) is ignored; the env's settings apply. The one exception is length:
+``max_tokens`` / ``max_completion_tokens`` (the smaller, when both are given) are honoured,
+but only to shorten a reply below the env's limits (``max_tokens_per_turn`` and the room
+left in ``max_token_length``), never to lengthen it. A reply cut there has
+``finish_reason: "length"`` and flags the rollout truncated, as any reply cut at a limit.
+
 Limits: past ``max_turns`` model calls, or when a segment's context no longer fits in
 ``max_token_length``, the request is refused with HTTP 400 (``code``:
 ``max_turns_exceeded`` / ``context_length_exceeded``) and the rollout is flagged truncated.
 Anything else the agent asks for that cannot be honoured exactly (``n > 1``, non-text
-content) is refused with 400 and a message naming the field; sampling fields
-(``temperature``, ``top_p``...) are ignored.
+content) is refused with 400 and a message naming the field; sampling fields are ignored
+(see above; ``max_tokens`` only shortens).
 
 The rollout's trajectory (:meth:`InterceptedRollout.to_rollout_state`) is one token
 sequence: its segments one after the other, with ``segment_starts`` marking where each new
@@ -58,7 +66,8 @@ log = logging.getLogger(__name__)
 
 class ChatCompletionRequest(BaseModel):
     """The fields of an OpenAI chat-completions request the proxy reads; others are
-    accepted and ignored (sampling is the env's)."""
+    accepted and ignored (sampling is the env's). ``max_tokens`` and
+    ``max_completion_tokens`` may only shorten a reply below the env's limits."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -137,8 +146,10 @@ def normalize_message(message: dict[str, Any], index: int) -> Message:
                 raise RequestError(f"{where}.tool_calls[{j}].function.name: missing")
             arguments = _arguments(function.get("arguments", "{}"))
             calls.append([function["name"], arguments])
-            rendered_calls.append({"type": "function", "function": {
-                "name": function["name"], "arguments": arguments}})
+            rendered_calls.append({
+                **({"id": call["id"]} if isinstance(call.get("id"), str) else {}),
+                "type": "function", "function": {"name": function["name"],
+                                                 "arguments": arguments}})
         rendered["tool_calls"] = rendered_calls
     if role == "tool":
         for name in ("tool_call_id", "name"):
@@ -146,6 +157,22 @@ def normalize_message(message: dict[str, Any], index: int) -> Message:
                 rendered[name] = message[name]
     key = json.dumps([role, text, calls], sort_keys=True, default=str)
     return Message(rendered, key)
+
+
+def trajectory_message(rendered: dict[str, Any]) -> dict[str, Any]:
+    """A recorded message in the trajectory's form (:class:`environments.trajectory.Message`):
+    tool-call arguments as JSON strings, as in the OpenAI API. (The chat template gets
+    them as objects: templates such as Qwen2.5's write ``arguments | tojson``, which would
+    encode a string a second time.)"""
+    if not rendered.get("tool_calls"):
+        return dict(rendered)
+    calls = []
+    for call in rendered["tool_calls"]:
+        arguments = call["function"]["arguments"]
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return {**rendered, "tool_calls": calls}
 
 
 @dataclass
@@ -181,11 +208,12 @@ class InterceptedRollout:
 
     def to_rollout_state(self) -> RolloutState:
         """The trajectory so far: tokens of every segment, turns in order, the last
-        segment's conversation as ``messages``, segment starts and reasons in ``extra``."""
+        segment's conversation as ``messages`` (in the trajectory's form, see
+        :func:`trajectory_message`), segment starts and reasons in ``extra``."""
         state = self.state
         if self.segments:
             last = self.segments[-1]
-            state.messages = [m.rendered for m in last.messages]
+            state.messages = [trajectory_message(m.rendered) for m in last.messages]
             state.tools = last.tools
         state.segment_starts = [s.start for s in self.segments[1:]]
         state.extra["segments"] = [{"start": s.start, "reason": s.reason,
@@ -370,8 +398,8 @@ class InterceptionProxy:
 
         context = state.tokens[segment.start:]
         room = self.max_token_length - len(context)
-        asked = body.max_completion_tokens or body.max_tokens
-        max_tokens = min(x for x in (room, self.max_tokens_per_turn, asked) if x is not None)
+        max_tokens = min(x for x in (room, self.max_tokens_per_turn, body.max_tokens,
+                                     body.max_completion_tokens) if x is not None)
         version = self.policy_version()
         generated = await rollout.backend.generate_from(context, max_tokens)
         start = len(state.tokens)
@@ -392,9 +420,9 @@ class InterceptionProxy:
         echo = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         segment.messages.append(Message(
             rendered={"role": "assistant", "content": generated.text,
-                      **({"tool_calls": [{"type": "function", "function": {
+                      **({"tool_calls": [{"id": call["id"], "type": "function", "function": {
                           "name": c.name, "arguments": c.arguments}}
-                          for c in parsed.calls]} if parsed.calls else {})},
+                          for c, call in zip(parsed.calls, calls)]} if calls else {})},
             key=normalize_message(echo, len(segment.messages)).key))
         rollout.limit = None  # an agent that shortened its context after a refusal went on
         if generated.finish_reason == "length":

@@ -336,6 +336,17 @@ class BwrapSandbox(Sandbox):
         await asyncio.to_thread(remove_tree, resources["dir"])
 
 
+async def _reap(proc: asyncio.subprocess.Process, pumps: asyncio.Future) -> None:
+    """After a cancel (or an error): wait briefly for the killed process, so that its
+    transport is closed while the event loop still runs (no "Event loop is closed" at
+    exit), and mark the output pumps' outcome as seen."""
+    pumps.add_done_callback(lambda f: f.cancelled() or f.exception())
+    try:
+        await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
+    except BaseException:  # noqa: BLE001 - cleanup only; the caller re-raises its error
+        pass
+
+
 async def run_process(proc: asyncio.subprocess.Process, pids: set[int], timeout_s: float,
                       max_output: int, started: float) -> ExecResult:
     """Collect a started process's output within the limits; kill it (and its process
@@ -374,6 +385,7 @@ async def run_process(proc: asyncio.subprocess.Process, pids: set[int], timeout_
     except BaseException:
         kill()
         pumps.cancel()
+        await _reap(proc, pumps)
         raise
     finally:
         if proc.returncode is not None:
