@@ -61,7 +61,12 @@ from environments.rewards import (
 from environments.settings import load_settings
 from environments.tool_parsers import get_parser
 from environments.tools import Tool
-from environments.trajectory import ScoredGroup, ScoredTrajectory, TrajectoryFlags
+from environments.trajectory import (
+    ScoredGroup,
+    ScoredTrajectory,
+    TrajectoryFlags,
+    equal_scores,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +153,11 @@ RECENT_FAILURES = 10
 class EnvStats:
     groups_sent: int = 0
     groups_dropped_equal_scores: int = 0
+    """Groups with no score signal (``trajectory.equal_scores``: every trajectory scored
+    the same, turn by turn) dropped, as ``keep_equal_score_groups: false`` asks."""
     groups_kept_equal_scores: int = 0
+    """The same kind of groups, kept (``keep_equal_score_groups: true``); ``inspect
+    --stats`` counts them with the same function."""
     groups_failed: int = 0
     """Groups dropped because a rollout raised, or could not be turned into a valid
     trajectory (each logged with its item id; the run goes on)."""
@@ -545,8 +554,7 @@ class BaseEnv:
             s.assistant_turns += len(rollout.turns)
             s.sampled_tokens += sum(e - b for b, e in (t.span for t in rollout.turns))
             s.not_prefix_preserving += not rollout.prefix_preserving
-        if len(trajectories) > 1 and all(t.scores == trajectories[0].scores
-                                         for t in trajectories):
+        if equal_scores(trajectories):
             if not self.config.keep_equal_score_groups:
                 self.stats.groups_dropped_equal_scores += 1
                 return None
