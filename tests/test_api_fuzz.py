@@ -16,7 +16,6 @@ policy_version).
 
 from __future__ import annotations
 
-import copy
 import gzip
 import json
 import random

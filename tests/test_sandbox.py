@@ -378,7 +378,7 @@ def test_reaper_removes_what_a_killed_process_left(make_config, sandbox_root):
 
     def leftovers() -> list:
         if config.backend == "docker":
-            from environments.sandbox.docker import docker_client
+            from environments.sandbox.images import docker_client
             return docker_client().containers.list(
                 all=True, filters={"label": f"lachesis.sandbox={sandbox_id}"})
         return [p for p in sandbox_root.iterdir() if sandbox_id in p.name]

@@ -166,7 +166,7 @@ def too_deep(body: bytes, limit: int = 200) -> str:
     one. A plain scan, used only when a decoder has already hit its recursion limit."""
     path: list[str] = []  # per open container: the current key (object) or index (array)
     kinds: list[int] = []
-    in_string = escaped = False
+    in_string = escaped = expecting_key = False
     key_start = -1
     for i, c in enumerate(body):
         if in_string:

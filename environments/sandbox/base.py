@@ -43,6 +43,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 
+LABEL = "lachesis.sandbox"
+"""Docker label on every container and volume a sandbox makes (value: the sandbox id)."""
+OWNER_LABEL = "lachesis.owner"
+HOST_LABEL = "lachesis.host"
+
 WORKSPACE = "/workspace"
 """Where the workspace is, seen from inside every sandbox."""
 SANDBOX_UID = 1000
@@ -270,10 +275,8 @@ class Sandbox(abc.ABC):
         box = cls(config)
         if cls.backend not in _REAPED:
             _REAPED.add(cls.backend)
-            from environments.sandbox.reaper import reap
-
             try:
-                await asyncio.to_thread(reap, cls.backend, config)
+                await asyncio.to_thread(cls.reap_leftovers, config)
             except Exception as error:  # noqa: BLE001 - reaping is best effort
                 log.warning("reaping leftover %s sandboxes failed: %s", cls.backend, error)
         try:
@@ -283,6 +286,11 @@ class Sandbox(abc.ABC):
             raise
         _LIVE.add(box)
         return box
+
+    @classmethod
+    def reap_leftovers(cls, config: SandboxConfig) -> None:
+        """Remove what sandboxes of this backend whose owner died left behind
+        (:mod:`environments.sandbox.reaper`); run once per process, at its first sandbox."""
 
     def _check_open(self) -> None:
         if self.closed:

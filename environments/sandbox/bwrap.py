@@ -30,7 +30,6 @@ import errno
 import os
 import random
 import shutil
-import signal
 import stat
 import time
 import weakref
@@ -40,14 +39,22 @@ from environments.sandbox.base import (
     SANDBOX_UID,
     WORKSPACE,
     ExecResult,
-    OutputCollector,
     Sandbox,
+    SandboxConfig,
     SandboxError,
     SandboxPathError,
     SandboxUsageError,
     default_workspace_root,
     owner_tag,
 )
+from environments.sandbox.host import (
+    cleanup_workspace,
+    kill_pids,
+    remove_tree,
+    run_process,
+    user_task_count,
+)
+from environments.sandbox.reaper import reap_workspaces
 
 UID_BASE = 1_000_000
 """Host uids given to sandboxes when running as root: [UID_BASE, UID_BASE + UID_SPAN)."""
@@ -60,53 +67,6 @@ _PASSWD = ("root:x:0:0:root:/:/usr/sbin/nologin\n"
            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
 _GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
 _HOSTS = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-
-
-def _kill_pids(pids: set[int]) -> None:
-    for pid in list(pids):
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    pids.clear()
-
-
-def remove_tree(path: Path) -> None:
-    """``rm -rf path``, also when the sandbox left directories without write permission."""
-    def fix_and_retry(function, name, _exc_info):
-        try:
-            os.chmod(os.path.dirname(name), 0o700)
-            if os.path.isdir(name) and not os.path.islink(name):
-                os.chmod(name, 0o700)
-            function(name)
-        except FileNotFoundError:
-            pass
-
-    if path.exists() or path.is_symlink():
-        shutil.rmtree(path, onerror=fix_and_retry)
-
-
-def _cleanup(resources: dict) -> None:
-    """Finalizer of a sandbox that was never closed (GC or interpreter exit)."""
-    _kill_pids(resources["pids"])
-    try:
-        remove_tree(resources["dir"])
-    except OSError:
-        pass
-
-
-def _user_task_count(uid: int) -> int:
-    """Processes and threads of ``uid`` now (what RLIMIT_NPROC counts)."""
-    count = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    count += len(os.listdir(f"/proc/{entry.name}/task"))
-            except OSError:
-                continue
-    return count
 
 
 def _check_traversable(root: Path) -> None:
@@ -123,6 +83,10 @@ class BwrapSandbox(Sandbox):
     backend = "bwrap"
     _probed = False
 
+    @classmethod
+    def reap_leftovers(cls, config: SandboxConfig) -> None:
+        reap_workspaces(config.workspace_root)
+
     async def _start(self) -> None:
         self._bwrap = shutil.which("bwrap")
         self._prlimit = shutil.which("prlimit")
@@ -137,7 +101,7 @@ class BwrapSandbox(Sandbox):
         self.dir = root / f"{owner_tag()}-{self.id}"
         self.dir.mkdir(mode=0o711)
         self._resources = {"dir": self.dir, "pids": set()}
-        self._finalizer = weakref.finalize(self, _cleanup, self._resources)
+        self._finalizer = weakref.finalize(self, cleanup_workspace, self._resources)
         self.workspace = self.dir / "workspace"
         self.workspace.mkdir(mode=0o700)
         etc = self.dir / "etc"
@@ -153,7 +117,7 @@ class BwrapSandbox(Sandbox):
             nproc = self.config.max_processes
         else:
             self.uid = self.gid = None
-            nproc = await asyncio.to_thread(_user_task_count, os.geteuid())
+            nproc = await asyncio.to_thread(user_task_count, os.geteuid())
             nproc += self.config.max_processes
         self._nproc = nproc + 2  # the two bwrap processes (outside, and PID 1 inside)
         self._mounts = self._mount_args()
@@ -332,65 +296,7 @@ class BwrapSandbox(Sandbox):
         resources = getattr(self, "_resources", None)
         if resources is None:
             return
-        _kill_pids(resources["pids"])
+        kill_pids(resources["pids"])
         await asyncio.to_thread(remove_tree, resources["dir"])
 
 
-async def _reap(proc: asyncio.subprocess.Process, pumps: asyncio.Future) -> None:
-    """After a cancel (or an error): wait briefly for the killed process, so that its
-    transport is closed while the event loop still runs (no "Event loop is closed" at
-    exit), and mark the output pumps' outcome as seen."""
-    pumps.add_done_callback(lambda f: f.cancelled() or f.exception())
-    try:
-        await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
-    except BaseException:  # noqa: BLE001 - cleanup only; the caller re-raises its error
-        pass
-
-
-async def run_process(proc: asyncio.subprocess.Process, pids: set[int], timeout_s: float,
-                      max_output: int, started: float) -> ExecResult:
-    """Collect a started process's output within the limits; kill it (and its process
-    group) on timeout, on too much output, or when the caller is cancelled."""
-    pids.add(proc.pid)
-    out, err = OutputCollector(max_output), OutputCollector(max_output)
-
-    def kill() -> None:
-        for killer in (os.killpg, os.kill):
-            try:
-                killer(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    async def pump(stream: asyncio.StreamReader, collector: OutputCollector) -> None:
-        while chunk := await stream.read(1 << 16):
-            if collector.add(chunk):
-                kill()
-
-    pumps = asyncio.gather(pump(proc.stdout, out), pump(proc.stderr, err))
-    timed_out = False
-    try:
-        try:
-            await asyncio.wait_for(asyncio.shield(pumps), timeout_s)
-        except TimeoutError:
-            timed_out = True
-            kill()
-        try:  # after a kill the pipes close as soon as the namespace is gone
-            await asyncio.wait_for(pumps, 10)
-        except TimeoutError:
-            pumps.cancel()
-        try:
-            returncode = await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            raise SandboxError(f"process {proc.pid} did not exit 10 s after SIGKILL") from None
-    except BaseException:
-        kill()
-        pumps.cancel()
-        await _reap(proc, pumps)
-        raise
-    finally:
-        if proc.returncode is not None:
-            pids.discard(proc.pid)
-    killed = timed_out or out.overflow or err.overflow
-    return ExecResult(exit_code=None if killed else returncode, stdout=out.text(),
-                      stderr=err.text(), duration_s=time.monotonic() - started,
-                      timed_out=timed_out, output_truncated=out.overflow or err.overflow)

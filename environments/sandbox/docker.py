@@ -28,17 +28,22 @@ import weakref
 from typing import Any
 
 from environments.sandbox.base import (
+    HOST_LABEL,
+    LABEL,
+    OWNER_LABEL,
     SANDBOX_UID,
     WORKSPACE,
     ExecResult,
     OutputCollector,
     Sandbox,
+    SandboxConfig,
     SandboxError,
     SandboxPathError,
     SandboxUsageError,
     owner_tag,
 )
-from environments.sandbox.reaper import HOST_LABEL, LABEL, OWNER_LABEL
+from environments.sandbox.images import default_image, docker_client
+from environments.sandbox.reaper import reap_docker
 
 PID1 = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done"]
 """The container's main process: sleeps, and reaps orphans (``wait`` reaps any child)."""
@@ -54,29 +59,6 @@ group (``setsid``) lives until ``close()``."""
 _GO_MODE_TYPE = sum(1 << bit for bit in (31, 27, 26, 25, 24, 21, 19))
 """Go's os.ModeType (directory, symlink, named pipe, socket, device...): the archive API's
 ``mode`` of anything that is not a regular file has one of these bits."""
-
-_client_lock = threading.Lock()
-_client = None
-
-
-def docker_client():
-    """The process's docker client (``DOCKER_HOST`` or the default socket)."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            try:
-                import docker
-            except ImportError:
-                raise SandboxError("the docker backend needs the docker SDK: pip install "
-                                   "'lachesis-rl[sandbox]' (or docker)") from None
-            try:
-                client = docker.from_env(timeout=120)
-                client.ping()
-            except Exception as error:  # noqa: BLE001 - any failure to reach the daemon
-                raise SandboxError(f"cannot reach the docker daemon: {error}") from error
-            _client = client
-        return _client
-
 
 def _cleanup(resources: dict) -> None:
     """Finalizer of a sandbox that was never closed (GC or interpreter exit)."""
@@ -97,9 +79,11 @@ def _cleanup(resources: dict) -> None:
 class DockerSandbox(Sandbox):
     backend = "docker"
 
-    async def _start(self) -> None:
-        from environments.sandbox.images import default_image
+    @classmethod
+    def reap_leftovers(cls, config: SandboxConfig) -> None:
+        reap_docker()
 
+    async def _start(self) -> None:
         self._resources: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, _cleanup, self._resources)
         self.client = await asyncio.to_thread(docker_client)

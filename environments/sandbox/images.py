@@ -25,12 +25,36 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from environments.sandbox.base import DEFAULT_IMAGE, SandboxError
 
 log = logging.getLogger(__name__)
+
+_client_lock = threading.Lock()
+_client = None
+
+
+def docker_client():
+    """The process's docker client (``DOCKER_HOST`` or the default socket)."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            try:
+                import docker
+            except ImportError:
+                raise SandboxError("the docker backend needs the docker SDK: pip install "
+                                   "'lachesis-rl[sandbox]' (or docker)") from None
+            try:
+                client = docker.from_env(timeout=120)
+                client.ping()
+            except Exception as error:  # noqa: BLE001 - any failure to reach the daemon
+                raise SandboxError(f"cannot reach the docker daemon: {error}") from error
+            _client = client
+        return _client
+
 
 RECIPE = {
     "suite": "bookworm",
@@ -56,7 +80,6 @@ def default_image() -> str:
 def image_exists(tag: str, client=None) -> bool:
     import docker
 
-    from environments.sandbox.docker import docker_client
 
     try:
         (client or docker_client()).images.get(tag)
@@ -91,7 +114,6 @@ def build_rootfs(target: Path, *, mirror: str | None = None, log_file: Path | No
 
 def build_image(tag: str | None = None, *, mirror: str | None = None, client=None) -> dict:
     """Build the default image as ``tag`` (default: :func:`default_image`); returns timings."""
-    from environments.sandbox.docker import docker_client
 
     tag = tag or default_image()
     client = client or docker_client()

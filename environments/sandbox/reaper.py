@@ -18,16 +18,21 @@ import signal
 import time
 from pathlib import Path
 
-from environments.sandbox.base import SandboxConfig, default_workspace_root, owner_alive
+from environments.sandbox.base import (
+    HOST_LABEL,
+    LABEL,
+    OWNER_LABEL,
+    SandboxConfig,
+    default_workspace_root,
+    owner_alive,
+)
+from environments.sandbox.host import remove_tree
+from environments.sandbox.images import docker_client
 
 log = logging.getLogger(__name__)
 
-LABEL = "lachesis.sandbox"
-"""Docker label on every container and volume a sandbox makes (value: the sandbox id)."""
-OWNER_LABEL = "lachesis.owner"
 _WORKSPACE_NAME = re.compile(r"^\d+\.\d+-[0-9a-f]{12}$")
 """``PID.STARTTIME-SANDBOXID``: what bwrap / unsafe workspaces are named."""
-HOST_LABEL = "lachesis.host"
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -49,8 +54,6 @@ def _processes_mentioning(text: str) -> list[int]:
 def reap_workspaces(root: Path | None = None, *, max_age_s: float | None = None) -> list[str]:
     """bwrap / unsafe: remove workspaces of dead owners (and older than ``max_age_s``);
     their processes are killed first. Returns the removed directory names."""
-    from environments.sandbox.bwrap import remove_tree
-
     root = Path(root or default_workspace_root())
     if not root.is_dir():
         return []
@@ -83,8 +86,6 @@ def reap_docker(*, max_age_s: float | None = None, client=None) -> list[str]:
     """docker: remove containers (and their volumes) of dead owners on this host (and all
     older than ``max_age_s``). Returns the removed container names."""
     import socket
-
-    from environments.sandbox.docker import docker_client
 
     client = client or docker_client()
     host = socket.gethostname()

@@ -25,7 +25,8 @@ from environments.sandbox.base import (
     default_workspace_root,
     owner_tag,
 )
-from environments.sandbox.bwrap import BwrapSandbox, _cleanup, _user_task_count, run_process
+from environments.sandbox.bwrap import BwrapSandbox
+from environments.sandbox.host import cleanup_workspace, run_process, user_task_count
 
 
 class UnsafeSubprocessSandbox(BwrapSandbox):
@@ -46,11 +47,11 @@ class UnsafeSubprocessSandbox(BwrapSandbox):
         self.dir = root / f"{owner_tag()}-{self.id}"
         self.dir.mkdir(mode=0o700)
         self._resources = {"dir": self.dir, "pids": set()}
-        self._finalizer = weakref.finalize(self, _cleanup, self._resources)
+        self._finalizer = weakref.finalize(self, cleanup_workspace, self._resources)
         self.workspace = self.dir / "workspace"
         self.workspace.mkdir(mode=0o700)
         self.uid = self.gid = None
-        self._nproc = (await asyncio.to_thread(_user_task_count, os.geteuid())
+        self._nproc = (await asyncio.to_thread(user_task_count, os.geteuid())
                        + self.config.max_processes)
 
     def _host_dir(self, workdir: str) -> str:
