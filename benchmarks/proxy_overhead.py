@@ -47,13 +47,6 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import aiohttp  # noqa: E402
 import openai  # noqa: E402
-
-from environments.inference.backends import VLLMBackend  # noqa: E402
-from environments.inference.chat_template import ChatRenderer  # noqa: E402
-from environments.inference.proxy import InterceptionProxy  # noqa: E402
-from environments.inference.vllm_client import VLLMServerPool  # noqa: E402
-from environments.inference.vllm_process import VLLMProcess  # noqa: E402
-from environments.tool_parsers import get_parser  # noqa: E402
 from rollout_overhead import (  # noqa: E402
     _CHILD_MARKER,
     EOS_BIAS,
@@ -63,6 +56,13 @@ from rollout_overhead import (  # noqa: E402
     raise_client_priority,
     reset_prefix_cache,
 )
+
+from environments.blackbox.proxy import InterceptionProxy  # noqa: E402
+from environments.inference.backends import VLLMBackend  # noqa: E402
+from environments.inference.chat_template import ChatRenderer  # noqa: E402
+from environments.inference.tool_parsers import get_parser  # noqa: E402
+from environments.inference.vllm_client import VLLMServerPool  # noqa: E402
+from environments.inference.vllm_process import VLLMProcess  # noqa: E402
 
 START = [{"role": "system", "content": "You are a helpful assistant."},
          {"role": "user", "content": "Tell me about the sea."}]

@@ -80,13 +80,13 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from environments import BaseEnv, EnvConfig, tool  # noqa: E402
-from environments.inference.vllm_process import VLLMProcess  # noqa: E402
-from environments.tool_parsers import (  # noqa: E402
+from environments.inference.tool_parsers import (  # noqa: E402
     ParsedToolCall,
     ParsedTurn,
     ToolCallParser,
     register_parser,
 )
+from environments.inference.vllm_process import VLLMProcess  # noqa: E402
 
 TARGET_RATIO = 0.90
 SERVED_NAME = "tiny"

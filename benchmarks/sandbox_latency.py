@@ -33,8 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from environments.agent_loop import GeneratedTurn  # noqa: E402
 from environments.envs.gsm8k_code import GSM8KCodeConfig, GSM8KCodeEnv  # noqa: E402
+from environments.framework.agent_loop import GeneratedTurn  # noqa: E402
 from environments.sandbox import SandboxConfig, create_sandbox  # noqa: E402
 
 

@@ -1,10 +1,19 @@
 """Lachesis environments: the trajectory data model, the rollout API, the env framework
 (``BaseEnv``, ``TurnLevelRewardMixin``, tools) and the environments shipped with it."""
 
-from environments.agent_loop import AssistantTurn, RolloutState
-from environments.base import BaseEnv, EnvConfig, RewardError, TurnLevelRewardMixin
-from environments.rewards import RewardFunction, reward_function, rollout_state
-from environments.tools import Tool, ToolError, tool
+from environments.framework.base import (
+    BaseEnv,
+    EnvConfig,
+    RewardError,
+    TurnLevelRewardMixin,
+)
+from environments.framework.rewards import (
+    RewardFunction,
+    reward_function,
+    rollout_state,
+)
+from environments.framework.tools import Tool, ToolError, tool
+from environments.rollout import AssistantTurn, Rollout, RolloutState
 from environments.trajectory import (
     Message,
     ScoredData,
@@ -22,6 +31,7 @@ __all__ = [
     "Message",
     "RewardError",
     "RewardFunction",
+    "Rollout",
     "RolloutState",
     "ScoredData",
     "ScoredGroup",

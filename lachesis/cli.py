@@ -116,7 +116,7 @@ ENV_NAME_HELP = "a registered env ({}), path/to/file.py:Class or package.module:
 def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
     """The flags of ``lachesis env ACTION NAME`` that do not depend on the env (``name``
     None: the help of the action without an env)."""
-    from environments.registry import ENVIRONMENTS
+    from environments.framework.registry import ENVIRONMENTS
 
     settings = ("Each setting of the env's config class is also a flag: flags > --config "
                 "YAML > defaults")
@@ -136,7 +136,11 @@ def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
 def _run_env(argv: list[str]) -> int:
     import logging
 
-    from environments.registry import ENVIRONMENTS, EnvNotFoundError, load_env_class
+    from environments.framework.registry import (
+        ENVIRONMENTS,
+        EnvNotFoundError,
+        load_env_class,
+    )
 
     head = argparse.ArgumentParser(
         prog="lachesis env", add_help=False,
@@ -176,12 +180,27 @@ def _run_env(argv: list[str]) -> int:
             if known.action == "serve":
                 return await env.serve()
             if known.action == "process":
-                return await env.process(args.out, args.groups)
+                return await process_and_report(env, args.out, args.groups)
             return await env.evaluate()
         finally:
             await env.close()
 
     return _run_and_print(f"lachesis env {known.action}", main())
+
+
+async def process_and_report(env, out: str | Path, n_groups: int) -> dict:
+    """``lachesis env process``: ``env.process`` to the JSONL file ``out``, then the HTML
+    report of the whole file next to it (``out`` with the suffix ``.html``), as
+    ``lachesis report`` writes it."""
+    import asyncio
+
+    from environments.inspection import TokenDecoder, write_report
+
+    summary = await env.process(out, n_groups)
+    decoder = TokenDecoder(getattr(env.renderer, "tokenizer", None))
+    report = await asyncio.to_thread(write_report, out, Path(out).with_suffix(".html"),
+                                     decoder=decoder)
+    return {**summary, "report": str(report.path)}
 
 
 def _run_train(argv: list[str]) -> int:
@@ -263,7 +282,12 @@ def _add_filter_flags(p: argparse.ArgumentParser) -> None:
 
 def _inspection_inputs(prog: str, args: argparse.Namespace):
     """(Filter, TokenDecoder), or None after printing what is wrong."""
-    from environments.inspection.data import Filter, SourceError, TokenDecoder, jsonl_files
+    from environments.inspection.data import (
+        Filter,
+        SourceError,
+        TokenDecoder,
+        jsonl_files,
+    )
 
     try:
         jsonl_files(args.file)

@@ -88,7 +88,15 @@ def build_tokenizer():
     saved tokenizer.json, AutoTokenizer and vLLM all tokenize identically. Consequence:
     encode() NFC-normalizes, so decode(encode(text)) == unicodedata.normalize("NFC", text).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     byte_to_symbol = _bytes_to_unicode()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from environments.agent_loop import GeneratedTurn, RolloutState
+from environments.rollout import GeneratedTurn, Rollout
 
 
 @pytest.fixture(scope="session")
@@ -44,11 +44,11 @@ class ScriptedBackend:
 
     trainable = True
 
-    def __init__(self, renderer, script: Callable[[RolloutState, int], str] | list[str]):
+    def __init__(self, renderer, script: Callable[[Rollout, int], str] | list[str]):
         self.renderer = renderer
         self.script = script
 
-    async def generate(self, state: RolloutState, max_tokens: int) -> GeneratedTurn:
+    async def generate(self, state: Rollout, max_tokens: int) -> GeneratedTurn:
         turn = len(state.turns)
         if callable(self.script):
             text = self.script(state, turn)

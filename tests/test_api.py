@@ -7,9 +7,9 @@ import json
 import aiohttp
 import orjson
 import pytest
+from conftest import make_group, run, running_api
 
 from environments.api.client import APIRequestError, RolloutAPIClient
-from conftest import make_group, run, running_api
 
 TRAINER = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4, "max_token_len": 64,
            "checkpoint_dir": "/tmp/ckpt", "save_checkpoint_interval": 10,
@@ -231,9 +231,10 @@ def test_nothing_mutates_on_get():
 
 
 def test_config_file_layering_and_bad_settings(tmp_path):
+    from conftest import REPO
+
     from environments.api.schemas import APIConfig
     from lachesis.cli import main
-    from conftest import REPO
 
     config = APIConfig.load(REPO / "configs" / "api.yaml", port=9001)
     assert config.port == 9001 and config.lease_timeout_s == 600  # flag > file > default

@@ -22,9 +22,9 @@ import random
 
 import aiohttp
 import pytest
+from conftest import make_group, run, running_api
 from pydantic import ValidationError
 
-from conftest import make_group, run, running_api
 from environments.trajectory import ScoredData, ScoredGroup, TrajectoryError
 
 DEEP = "[" * 2000 + "]" * 2000

@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 
-from environments.agent_loop import AssistantTurn, RolloutState
 from environments.envs.arithmetic_tool import (
     ArithmeticToolConfig,
     ArithmeticToolEnv,
     calculator,
     evaluate_expression,
 )
-from environments.tool_parsers import ParsedToolCall, get_parser
-from environments.tools import ToolError
+from environments.framework.tools import ToolError
+from environments.inference.tool_parsers import get_parser
+from environments.rollout import AssistantTurn, ParsedToolCall, Rollout
 
 
 def test_calculator_computes_integers_and_refuses_anything_else():
@@ -62,7 +62,7 @@ CALL = ParsedToolCall("calculator", {"expression": "6 * 7"}, "")
 ])
 def test_turn_rewards(turns, stop, expected):
     env = ArithmeticToolEnv()
-    rollout = RolloutState(messages=[], tools=None, turns=turns, stop=stop,
+    rollout = Rollout(messages=[], tools=None, turns=turns, stop=stop,
                            truncated=stop != "answer")
     assert env.compute_turn_rewards(ITEM, rollout) == expected
 
@@ -72,7 +72,7 @@ def test_oracle_demonstration_parses_and_earns_full_reward():
     messages = env.oracle_messages(ITEM)
     parsed = get_parser("hermes").parse(messages[2]["content"])
     assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "6 * 7"})]
-    rollout = RolloutState(messages=messages, tools=None, stop="answer", turns=[
+    rollout = Rollout(messages=messages, tools=None, stop="answer", turns=[
         turn(messages[2]["content"], parsed.calls, results=[messages[3]["content"]]),
         turn(messages[4]["content"])])
     assert env.compute_turn_rewards(ITEM, rollout) == [1.0, 1.0]

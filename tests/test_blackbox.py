@@ -10,15 +10,14 @@ import sys
 import uuid
 
 import pytest
-
-from environments import BaseEnv, TurnLevelRewardMixin
-from environments.agents.reference_agent import SYSTEM
-from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
-from environments.jsonl_store import read_groups
-from environments.trajectory import MASKED
-
 from conftest import REPO
 from sandbox_fixtures import docker_image, host_processes_mentioning  # noqa: F401
+
+from environments import BaseEnv, TurnLevelRewardMixin
+from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
+from environments.blackbox.agents.reference_agent import SYSTEM
+from environments.jsonl_store import read_groups
+from environments.trajectory import MASKED
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap is Linux-only")
 

@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
+
+from environments.framework.registry import ENVIRONMENTS
 from lachesis.cli import ENV_ACTIONS, main
-from environments.registry import ENVIRONMENTS
 
 
 def help_of(argv: list[str], capsys) -> str:

@@ -17,7 +17,7 @@ from environments.envs.code_debug import (
     load_humanevalpack,
     load_sample,
 )
-from environments.registry import load_env_class
+from environments.framework.registry import load_env_class
 
 TASKS = load_sample()
 TASK = next(t for t in TASKS if t["entry_point"] == "fizz_count")

@@ -7,12 +7,12 @@ import asyncio
 import json
 
 import aiohttp
-
 from conftest import make_group, running_api
+from vllm_fixture import tiny_model_dir  # noqa: F401
+
 from environments.api.client import RolloutAPIClient
 from trainer.config import TrainConfig
 from trainer.train import train
-from vllm_fixture import tiny_model_dir  # noqa: F401
 
 
 def test_trainer_sets_a_poison_group_aside_and_trains_on_the_rest(tiny_model_dir, tmp_path):
@@ -65,8 +65,8 @@ def test_trainer_sets_a_poison_group_aside_and_trains_on_the_rest(tiny_model_dir
 
 
 def test_inspect_shows_dead_letters_and_saves_them_for_the_report(tmp_path, capsys):
-    from lachesis.cli import main
     from environments.jsonl_store import read_groups
+    from lachesis.cli import main
 
     async def scenario():
         async with running_api() as (url, api), RolloutAPIClient(url) as client:

@@ -4,8 +4,9 @@ exactly once; leases survive the restart; acknowledged groups never come back.""
 import asyncio
 import time
 
-from environments.api.client import APIRequestError, RolloutAPIClient
 from conftest import make_group
+
+from environments.api.client import APIRequestError, RolloutAPIClient
 
 
 def test_kill_9_mid_stream_then_restart_loses_and_duplicates_nothing(api_process, tmp_path):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, running_api
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, running_api
 from environments import BaseEnv, tool
 from environments.api.client import RolloutAPIClient
 from environments.envs.arithmetic_tool import ArithmeticToolConfig, ArithmeticToolEnv

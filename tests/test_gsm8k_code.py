@@ -22,7 +22,7 @@ from environments.envs.gsm8k_code import (
     parse_gsm8k_answer,
     parse_number,
 )
-from environments.registry import load_env_class
+from environments.framework.registry import load_env_class
 from environments.sandbox import SandboxError, create_sandbox
 from environments.sandbox.bwrap import BwrapSandbox
 

@@ -11,11 +11,9 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
-from environments.base import BaseEnv, TurnLevelRewardMixin
-from environments.agent_loop import AssistantTurn, RolloutState
-from lachesis.cli import main
+
+from environments.framework.base import BaseEnv, TurnLevelRewardMixin
 from environments.inspection.data import (
     Filter,
     TokenDecoder,
@@ -27,7 +25,9 @@ from environments.inspection.data import (
 )
 from environments.inspection.html_report import write_report
 from environments.jsonl_store import ReadReport
+from environments.rollout import AssistantTurn, Rollout
 from environments.trajectory import ScoredGroup, ScoredTrajectory, TrajectoryFlags
+from lachesis.cli import main, process_and_report
 
 
 def episode(turns: list[str], scores: list[float], tool_results: list[str] | None = None, *,
@@ -251,7 +251,7 @@ class ScriptedEnv(TurnLevelRewardMixin, BaseEnv):
         return {"id": "item-1"}
 
     async def collect_trajectory(self, item, *, evaluation=False):
-        state = RolloutState(messages=[{"role": "user", "content": "hi"}], tools=None)
+        state = Rollout(messages=[{"role": "user", "content": "hi"}], tools=None)
         state.append([1, 2], sampled=False)
         for k in range(2):
             start = len(state.tokens)
@@ -268,7 +268,7 @@ class ScriptedEnv(TurnLevelRewardMixin, BaseEnv):
 def test_env_process_writes_the_report_next_to_the_jsonl(tmp_path):
     env = ScriptedEnv(ScriptedEnv.config_class(group_size=2))
     out = tmp_path / "scripted.jsonl"
-    summary = asyncio.run(env.process(out, 3))
+    summary = asyncio.run(process_and_report(env, out, 3))  # lachesis env process
     assert summary["report"] == str(tmp_path / "scripted.html")
     page = Path(summary["report"]).read_text()
     assert "All 3 matching groups are included." in page and page.count('class="g"') == 3
@@ -477,7 +477,7 @@ def test_env_process_and_inspect_count_the_same_equal_score_groups(tmp_path, cap
     env = PatternEnv(PatternEnv.config_class(group_size=2, keep_equal_score_groups=True,
                                              concurrency=1))
     out = tmp_path / "patterns.jsonl"
-    summary = asyncio.run(env.process(out, 3))
+    summary = asyncio.run(process_and_report(env, out, 3))
     assert summary["groups_sent"] == 3 and summary["groups_kept_equal_scores"] == 1
     assert main(["inspect", str(out), "--stats"]) == 0
     out_text = capsys.readouterr().out

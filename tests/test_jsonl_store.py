@@ -7,9 +7,9 @@ import sys
 import time
 
 import pytest
+from conftest import REPO, make_group
 
 from environments.jsonl_store import BadLineError, GroupWriter, ReadReport, read_groups
-from conftest import REPO, make_group
 
 
 def test_round_trip(tmp_path):

@@ -12,12 +12,17 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from environments.blackbox.proxy import InterceptionProxy, normalize_message
 from environments.inference.backends import VLLMBackend
 from environments.inference.chat_template import ChatRenderer
-from environments.inference.proxy import InterceptionProxy, normalize_message
+from environments.inference.tool_parsers import get_parser
 from environments.inference.vllm_client import VLLMServerPool
-from environments.tool_parsers import get_parser
-from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory, TrajectoryFlags
+from environments.trajectory import (
+    MASKED,
+    ScoredGroup,
+    ScoredTrajectory,
+    TrajectoryFlags,
+)
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",

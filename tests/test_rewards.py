@@ -15,10 +15,21 @@ import math
 import numpy as np
 import pytest
 
-from environments import BaseEnv, EnvConfig, TurnLevelRewardMixin, reward_function, rollout_state, tool
-from environments.agent_loop import GeneratedTurn
+from environments import (
+    BaseEnv,
+    EnvConfig,
+    TurnLevelRewardMixin,
+    reward_function,
+    rollout_state,
+    tool,
+)
+from environments.framework.rewards import (
+    RewardFunction,
+    combine_rewards,
+    env_reward_functions,
+)
 from environments.inference.chat_template import Continuation
-from environments.rewards import RewardFunction, combine_rewards, env_reward_functions
+from environments.rollout import GeneratedTurn
 
 EOS = 999
 
@@ -88,7 +99,7 @@ def test_state_arg_is_not_in_the_schema_and_the_model_cannot_set_it():
     assert increment.schema()["function"]["parameters"] == {
         "type": "object", "required": ["by"],
         "properties": {"by": {"type": "integer", "description": "how much to add."}}}
-    from environments.tools import ToolError
+    from environments.framework.tools import ToolError
     with pytest.raises(ToolError, match="unknown argument 'counter'"):
         asyncio.run(increment.call({"by": 1, "counter": {"value": 5}}))
     with pytest.raises(TypeError, match="state_arg 'missing'"):
@@ -298,7 +309,7 @@ def test_unusable_reward_values_fail_the_rollout_naming_the_function(value, per_
             return value
 
     env = scripted(Env, WEIGHTED_SCRIPTS[:1])
-    from environments.base import RewardError
+    from environments.framework.base import RewardError
     with pytest.raises(RewardError, match="reward function 'bad' ") as error:
         asyncio.run(env._rollout({"id": "target-3", "target": 3}))
     assert problem in str(error.value)
@@ -357,7 +368,7 @@ def test_envs_without_reward_functions_still_see_the_snapshot_in_compute_reward(
 def test_the_readme_example_env():
     from pathlib import Path
 
-    from environments.registry import load_env_class
+    from environments.framework.registry import load_env_class
 
     env_class = load_env_class(str(Path(__file__).parent.parent / "examples/notes_env.py")
                                + ":NotesEnv")

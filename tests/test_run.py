@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO
+
 from lachesis.run.processes import processes_of_run
 
 pytestmark = pytest.mark.vllm  # every run starts its own vLLM server

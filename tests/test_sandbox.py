@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 import tempfile
 import textwrap
 import time

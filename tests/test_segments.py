@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_turn_prefix import tiny_qwen2
 
 from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory
 from trainer.advantages import compute_group_advantages
 from trainer.batch import BatchError, Sample, segment_samples, turn_prefix_samples
 from trainer.config import TrainConfig
 from trainer.train import Batch, alignment_check, batch_tensors, sequence_logprobs
-from test_turn_prefix import tiny_qwen2
 
 M = MASKED
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from sandbox_fixtures import docker_image  # noqa: F401
 
-from environments.agent_loop import AssistantTurn, RolloutState
 from environments.envs.swe_fix import (
     SweFixConfig,
     SweFixEnv,
@@ -26,9 +25,9 @@ from environments.envs.swe_fix import (
     task_from_record,
 )
 from environments.envs.swe_fix_graders import PYTEST_GRADER
-from environments.registry import load_env_class
+from environments.framework.registry import load_env_class
+from environments.rollout import AssistantTurn, ParsedToolCall, Rollout
 from environments.sandbox import SandboxError
-from environments.tool_parsers import ParsedToolCall
 
 TASKS = {t["id"]: t for t in load_sample()}
 SEMVER = TASKS["lachesis__semverlib-1"]
@@ -59,7 +58,7 @@ def turn(*calls, results=None, text="") -> AssistantTurn:
 async def agent_episode(env, item, edits=None, command=None, turns=()):
     """An "agent" run through the hooks: prepare the sandbox, make the edits (files, then a
     shell command), copy the repository out, score. Returns (rollout, scores)."""
-    rollout = RolloutState(messages=[], tools=None)
+    rollout = Rollout(messages=[], tools=None)
     rollout.turns = [*turns, turn(text="Fixed it.")]
     async with await env.new_sandbox() as box:
         await env.prepare_sandbox(item, box)
@@ -340,8 +339,8 @@ def test_an_unreadable_or_missing_repository_scores_zero_and_a_failed_sandbox_ra
         raise SandboxError("daemon went away")
 
     # grading sandboxes are made through SandboxEnvMixin.new_sandbox
-    monkeypatch.setattr("environments.sandbox.tools.create_sandbox", broken)
-    rollout = RolloutState(messages=[], tools=None)
+    monkeypatch.setattr("environments.framework.sandbox_tools.create_sandbox", broken)
+    rollout = Rollout(messages=[], tools=None)
     rollout.turns = [turn()]
     rollout.extra["repo_tar"] = make_tar({"semverlib/__init__.py": ""})
     with pytest.raises(SandboxError):

@@ -12,15 +12,21 @@ from typing import Literal, Optional
 
 import pytest
 
-from environments.tool_parsers import (
+from environments.framework.tools import (
+    Tool,
+    ToolError,
+    tool,
+    tool_schemas,
+    tools_by_name,
+)
+from environments.inference.tool_parsers import (
     ParsedToolCall,
+    ToolCallParser,
     available_parsers,
     get_parser,
     register_parser,
-    ToolCallParser,
     to_message_tool_calls,
 )
-from environments.tools import Tool, ToolError, tool, tool_schemas, tools_by_name
 from environments.trajectory import Message
 
 

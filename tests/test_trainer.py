@@ -8,8 +8,8 @@ import json
 
 import pytest
 import requests
-from pydantic import ValidationError
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -227,6 +227,7 @@ def test_sft_on_oracle_messages_trains_only_assistant_tokens_and_lowers_the_loss
 def test_train_from_the_rollout_api_acknowledges_leases_and_posts_the_policy_version(
         vllm_server, tmp_path):
     from conftest import running_api
+
     from environments.api.client import RolloutAPIClient
 
     env_config = EnvConfig(tokenizer=str(vllm_server.model_dir), group_size=4, max_turns=1,

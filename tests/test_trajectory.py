@@ -5,11 +5,11 @@ import math
 
 import orjson
 import pytest
+from conftest import make_group
 from pydantic import ValidationError
 
 from environments.api.wire import WireError, decode_group
 from environments.trajectory import ScoredData, ScoredGroup, ScoredTrajectory
-from conftest import make_group
 
 
 def base(**changes):

@@ -21,7 +21,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory, TrajectoryError
+from environments.trajectory import (
+    MASKED,
+    ScoredGroup,
+    ScoredTrajectory,
+    TrajectoryError,
+)
 
 
 class BatchError(ValueError):

@@ -53,7 +53,10 @@ def full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Te
     gets the weights, the others an empty dict."""
     if not sharded:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -63,8 +66,10 @@ def optimizer_state(model, optimizer, sharded: bool) -> dict[str, Any]:
     """The optimizer state, unsharded (a collective when sharded, as above)."""
     if not sharded:
         return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     return get_optimizer_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -74,8 +79,10 @@ def load_optimizer_state(model, optimizer, state: dict[str, Any], sharded: bool)
     if not sharded:
         optimizer.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
 
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))

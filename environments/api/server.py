@@ -50,10 +50,15 @@ from environments.api.schemas import (
     LeaseId,
     LeaseRequest,
     PolicyVersion,
-    Registration,
     RegisterEnv,
+    Registration,
 )
-from environments.api.wire import AcceptedGroup, WireError, decode_group, decode_group_list
+from environments.api.wire import (
+    AcceptedGroup,
+    WireError,
+    decode_group,
+    decode_group_list,
+)
 from environments.trajectory import field_path
 
 log = logging.getLogger("lachesis.api")

@@ -27,9 +27,9 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.agent_loop import RolloutState
-from environments.base import BaseEnv, EnvConfig, TurnLevelRewardMixin
-from environments.tools import tool
+from environments.framework.base import BaseEnv, EnvConfig, TurnLevelRewardMixin
+from environments.framework.tools import tool
+from environments.rollout import Rollout
 
 SYSTEM_PROMPT = (
     "You solve arithmetic questions. First call the calculator tool with the expression, "
@@ -148,7 +148,7 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
             return 0.1
         return 1.0 if _ANSWER.fullmatch(text.strip()) else 0.8
 
-    def rollout_metrics(self, item: dict[str, Any], rollout: RolloutState,
+    def rollout_metrics(self, item: dict[str, Any], rollout: Rollout,
                         scores: float | list[float]) -> dict[str, float]:
         """``tool_success``: the episode called the calculator and every call executed;
         ``right_expression``: a call returned the answer; ``correct``: the final answer
@@ -164,7 +164,7 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
             "exact_match": float(outcome == 1.0),
         }
 
-    def compute_turn_rewards(self, item: dict[str, Any], rollout: RolloutState) -> list[float]:
+    def compute_turn_rewards(self, item: dict[str, Any], rollout: Rollout) -> list[float]:
         rewards = []
         for turn in rollout.turns[:-1]:
             executed = len(turn.tool_calls) > len(turn.tool_errors)

@@ -40,13 +40,17 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.agent_loop import RolloutState
-from environments.base import BaseEnv, TurnLevelRewardMixin
-from environments.item_order import EpochOrder
+from environments.framework.base import BaseEnv, TurnLevelRewardMixin
+from environments.framework.item_order import EpochOrder
+from environments.framework.sandbox_tools import (
+    SandboxEnvConfig,
+    SandboxEnvMixin,
+    SandboxSession,
+)
+from environments.framework.tools import Tool, tool
+from environments.rollout import Rollout
 from environments.sandbox import Sandbox, SandboxError
 from environments.sandbox.base import workspace_relative
-from environments.sandbox.tools import SandboxEnvConfig, SandboxEnvMixin, SandboxSession
-from environments.tools import Tool, tool
 
 SAMPLE_PATH = Path(__file__).parent / "data" / "code_debug_sample.jsonl"
 SOLUTION = "solution.py"
@@ -166,7 +170,7 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
         await sandbox.write_file(VISIBLE_TESTS, visible_tests(item))
 
     async def finish_sandbox(self, item: dict[str, Any], sandbox: Sandbox,
-                             rollout: RolloutState) -> None:
+                             rollout: Rollout) -> None:
         try:
             rollout.extra["solution"] = (await sandbox.read_file(SOLUTION)).decode(
                 "utf-8", errors="replace")
@@ -272,7 +276,7 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
         return c.inspect_reward * inspected + c.test_reward * tested + c.edit_reward * edited
 
     async def compute_turn_rewards(self, item: dict[str, Any],
-                                   rollout: RolloutState) -> list[float]:
+                                   rollout: Rollout) -> list[float]:
         # A SandboxError here drops the group (counted): a grading that failed is not a 0.
         passed = await self.grade(item, rollout.extra.get("solution"))
         rewards = [self.turn_score(turn) for turn in rollout.turns[:-1]]

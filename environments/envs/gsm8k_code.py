@@ -29,11 +29,15 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.agent_loop import RolloutState
-from environments.base import BaseEnv, TurnLevelRewardMixin
-from environments.item_order import EpochOrder
-from environments.sandbox.tools import SandboxEnvConfig, SandboxEnvMixin, SandboxSession
-from environments.tools import Tool, ToolError, tool
+from environments.framework.base import BaseEnv, TurnLevelRewardMixin
+from environments.framework.item_order import EpochOrder
+from environments.framework.sandbox_tools import (
+    SandboxEnvConfig,
+    SandboxEnvMixin,
+    SandboxSession,
+)
+from environments.framework.tools import Tool, ToolError, tool
+from environments.rollout import Rollout
 
 SAMPLE_PATH = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
 SYSTEM_PROMPT = (
@@ -192,7 +196,7 @@ class GSM8KCodeEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
                  "content": f"{item['answer']}"},
                 {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}]
 
-    def compute_turn_rewards(self, item: dict[str, Any], rollout: RolloutState) -> list[float]:
+    def compute_turn_rewards(self, item: dict[str, Any], rollout: Rollout) -> list[float]:
         target = parse_number(str(item["answer"]))
         rewards = []
         for turn in rollout.turns[:-1]:

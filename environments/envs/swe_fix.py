@@ -96,11 +96,11 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.agent_loop import RolloutState
-from environments.base import BaseEnv, TurnLevelRewardMixin
-from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
+from environments.blackbox.env import BlackBoxEnvConfig, BlackBoxEnvMixin
 from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_GRADER
-from environments.item_order import EpochOrder
+from environments.framework.base import BaseEnv, TurnLevelRewardMixin
+from environments.framework.item_order import EpochOrder
+from environments.rollout import Rollout
 from environments.sandbox import (
     WORKSPACE,
     Sandbox,
@@ -422,7 +422,7 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
             raise SandboxError(f"cleaning up the workspace failed: {result.describe(500)}")
 
     async def finish_sandbox(self, item: dict[str, Any], sandbox: Sandbox,
-                             rollout: RolloutState) -> None:
+                             rollout: Rollout) -> None:
         """Copy the agent's repository out (a gzipped tar, without ``.git``)."""
         rollout.extra["repo_tar"] = None
         rollout.extra["repo_error"] = None
@@ -548,14 +548,14 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
         return c.inspect_reward * inspected + c.test_reward * tested + c.edit_reward * edited
 
     async def compute_turn_rewards(self, item: dict[str, Any],
-                                   rollout: RolloutState) -> list[float]:
+                                   rollout: Rollout) -> list[float]:
         # A SandboxError here drops the group (counted): a grading that failed is not a 0.
         grading = await self.grade(item, rollout.extra.get("repo_tar"))
         rollout.extra["grading"] = asdict(grading)
         rewards = [self.turn_score(item, turn) for turn in rollout.turns[:-1]]
         return rewards + [1.0 if grading.resolved else 0.0]
 
-    def rollout_metrics(self, item: dict[str, Any], rollout: RolloutState,
+    def rollout_metrics(self, item: dict[str, Any], rollout: Rollout,
                         scores: float | list[float]) -> dict[str, float]:
         """``resolved`` (outcome 1), ``edited_tests`` (an existing test file was changed
         or deleted in the agent's repository), ``ran_tests`` / ``edited_source`` (some

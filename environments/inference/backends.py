@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from environments.agent_loop import GeneratedTurn, RolloutState
 from environments.inference.chat_template import ChatRenderer
+from environments.inference.tool_parsers import get_parser
 from environments.inference.vllm_client import VLLMServerPool
-from environments.tool_parsers import get_parser
+from environments.rollout import GeneratedTurn, Rollout
 
 
 class VLLMBackend:
@@ -29,7 +29,7 @@ class VLLMBackend:
         self.sampling = dict(sampling or {})
         self.stop_token_ids = stop_token_ids or renderer.stop_token_ids
 
-    async def generate(self, state: RolloutState, max_tokens: int) -> GeneratedTurn:
+    async def generate(self, state: Rollout, max_tokens: int) -> GeneratedTurn:
         return await self.generate_from(state.tokens, max_tokens)
 
     async def generate_from(self, token_ids: list[int], max_tokens: int) -> GeneratedTurn:
@@ -60,7 +60,7 @@ class OpenAIBackend:
         self.sampling = dict(sampling or {})
         self.hermes = get_parser("hermes")
 
-    async def generate(self, state: RolloutState, max_tokens: int) -> GeneratedTurn:
+    async def generate(self, state: Rollout, max_tokens: int) -> GeneratedTurn:
         messages = [{k: v for k, v in m.items() if k != "name" or m["role"] != "tool"}
                     for m in state.messages]
         kwargs = {"tools": state.tools} if state.tools else {}

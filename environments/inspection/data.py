@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from environments.jsonl_store import LocatedGroup, ReadReport, iter_located_groups
-from environments.trajectory import MASKED, Message, ScoredGroup, ScoredTrajectory, equal_scores
+from environments.trajectory import (
+    MASKED,
+    Message,
+    ScoredGroup,
+    ScoredTrajectory,
+    equal_scores,
+)
 
 FLAGS = ("truncated", "tool-errors", "not-trainable")
 """Trajectory flags a filter can ask for."""

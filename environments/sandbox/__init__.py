@@ -9,7 +9,9 @@
 Backends: ``bwrap`` (bubblewrap; the default), ``docker`` (a container per sandbox) and
 ``unsafe_subprocess`` (no isolation; needs ``allow_unsafe``). See ``base`` for the API and
 the error kinds, each backend's module for what it isolates, ``reaper`` for cleanup after
-crashes, ``images`` for the docker image, and ``tools`` for tools and the env mixin.
+crashes, ``images`` for the docker image and daemon, ``host`` for the process and file
+helpers of the host-side backends. The sandboxes know no env: tools that run in a sandbox
+and the env mixin that gives each rollout one are in ``environments.framework.sandbox_tools``.
 """
 
 from __future__ import annotations

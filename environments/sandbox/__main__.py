@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             out = [_check(b, args.image) for b in args.backend or ["bwrap"]]
         elif args.command == "build-image":
-            from environments.sandbox.images import build_image, default_image, image_exists
+            from environments.sandbox.images import (
+                build_image,
+                default_image,
+                image_exists,
+            )
 
             tag = args.tag or default_image()
             out = ({"image": tag, "built": False} if image_exists(tag) and not args.force

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from environments import BaseEnv, TurnLevelRewardMixin
-from environments.agent_loop import RolloutState
 from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
+from environments.rollout import Rollout
 
 AGENT = Path(__file__).resolve().parent / "agent.py"
 
@@ -55,24 +55,24 @@ class CalculatorAgentEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
         await sandbox.write_file("agent.py", AGENT.read_bytes())
 
     async def finish_sandbox(self, item: dict[str, Any], sandbox: Any,
-                             rollout: RolloutState) -> None:
+                             rollout: Rollout) -> None:
         try:
             answer = await sandbox.read_file("answer.txt", max_bytes=4096)
         except FileNotFoundError:  # the agent stopped without answering
             answer = None
         rollout.extra["answer"] = None if answer is None else answer.decode(errors="replace")
 
-    def answer_is_right(self, item: dict[str, Any], rollout: RolloutState) -> bool:
+    def answer_is_right(self, item: dict[str, Any], rollout: Rollout) -> bool:
         numbers = re.findall(r"-?\d+", rollout.extra.get("answer") or "")
         return bool(numbers) and int(numbers[-1]) == item["answer"]
 
-    def compute_turn_rewards(self, item: dict[str, Any], rollout: RolloutState) -> list[float]:
+    def compute_turn_rewards(self, item: dict[str, Any], rollout: Rollout) -> list[float]:
         tool_turns = [float(bool(t.tool_calls) and not t.tool_errors
                             and not any(r.startswith("error") for r in t.tool_results))
                       for t in rollout.turns[:-1]]
         return tool_turns + [float(self.answer_is_right(item, rollout))]
 
-    def rollout_metrics(self, item: dict[str, Any], rollout: RolloutState,
+    def rollout_metrics(self, item: dict[str, Any], rollout: Rollout,
                         scores: float | list[float]) -> dict[str, float]:
         return {"answered": float(rollout.extra.get("answer") is not None),
                 "correct": float(self.answer_is_right(item, rollout))}

@@ -30,8 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from lachesis.run.config import RunConfig, write_yaml
-from lachesis.run.processes import (RUN_ID_VARIABLE, ChildProcess, become_subreaper,
-                                        kill_leftovers)
+from lachesis.run.processes import (
+    RUN_ID_VARIABLE,
+    ChildProcess,
+    become_subreaper,
+    kill_leftovers,
+)
 from lachesis.run.progress import RunProgress, last_metrics
 
 log = logging.getLogger("lachesis.run")
@@ -149,7 +153,7 @@ class Supervisor:
     def write_demonstrations(self, path: Path, tokenizer: str) -> Path:
         import asyncio
 
-        from environments.registry import load_env_class
+        from environments.framework.registry import load_env_class
 
         ws = self.config.warm_start
         env_class = load_env_class(ws.env)

@@ -4,7 +4,7 @@ An env can declare weighted reward functions instead of writing ``compute_reward
 ``compute_turn_rewards`` by hand. Each one is called as ``fn(item, rollout, state)``:
 
 * ``item``: the item the rollout was sampled for;
-* ``rollout``: the finished :class:`~environments.agent_loop.RolloutState` (``messages``,
+* ``rollout``: the finished :class:`~environments.framework.agent_loop.Rollout` (``messages``,
   ``turns`` with their tool calls, results, errors and spans, ``tokens``, ``stop``...);
 * ``state``: a snapshot of the env's *per-rollout state* taken the moment that rollout
   finished (see below); ``None`` for an env that keeps none.

@@ -55,11 +55,11 @@ from typing import Any, Callable
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from environments.agent_loop import AssistantTurn, RolloutState
 from environments.inference.backends import VLLMBackend
 from environments.inference.chat_template import ChatRenderer, ChatTemplateError
+from environments.inference.tool_parsers import ToolCallParser
 from environments.inference.vllm_client import InferenceError
-from environments.tool_parsers import ToolCallParser
+from environments.rollout import AssistantTurn, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class InterceptedRollout:
     id: str
     token: str
     backend: VLLMBackend
-    state: RolloutState = field(default_factory=lambda: RolloutState(messages=[], tools=None))
+    state: Rollout = field(default_factory=lambda: Rollout(messages=[], tools=None))
     segments: list[Segment] = field(default_factory=list)
     finished: bool = False
     limit: str | None = None
@@ -206,7 +206,7 @@ class InterceptedRollout:
     refused: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def to_rollout_state(self) -> RolloutState:
+    def to_rollout_state(self) -> Rollout:
         """The trajectory so far: tokens of every segment, turns in order, the last
         segment's conversation as ``messages`` (in the trajectory's form, see
         :func:`trajectory_message`), segment starts and reasons in ``extra``."""
@@ -287,7 +287,7 @@ class InterceptionProxy:
         proxy; default its TCP address)."""
         return f"{server or self.url}/rollout/{rollout.id}/v1"
 
-    async def finish_rollout(self, rollout: InterceptedRollout) -> RolloutState:
+    async def finish_rollout(self, rollout: InterceptedRollout) -> Rollout:
         """Refuse the rollout's further requests, wait for one in flight, and return its
         trajectory."""
         rollout.finished = True

@@ -1,6 +1,6 @@
 """The agent runtime: a read-only directory mounted into every black-box sandbox.
 
-It holds the reference agent, the launcher (:mod:`environments.agents.launch`) and, under
+It holds the reference agent, the launcher (:mod:`environments.blackbox.agents.launch`) and, under
 ``site/``, the ``openai`` package and everything it requires, copied from this Python
 environment (no network needed). The sandbox's own ``python3`` imports them with
 ``PYTHONPATH=/opt/lachesis/site``, so its minor version must match this interpreter's

@@ -16,107 +16,22 @@ counted in ``tool_errors``; so is a malformed tool-call block.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
+from environments.framework.tools import Tool, ToolError
 from environments.inference.chat_template import ChatRenderer
-from environments.tool_parsers import (
-    ParsedToolCall,
-    ParsedTurn,
+from environments.inference.tool_parsers import (
     ToolCallParser,
     to_message_tool_calls,
 )
-from environments.tools import Tool, ToolError
-from environments.trajectory import MASKED
-
-
-@dataclass
-class GeneratedTurn:
-    """One assistant turn as a backend produced it."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None
-    """Per sampled token; None when the backend gives none (OpenAI-API mode)."""
-    text: str
-    """The turn's text without the end-of-turn token."""
-    finish_reason: str
-    ended_with_eos: bool
-    parsed: ParsedTurn | None = None
-    """The turn's tool calls, when the backend parsed them itself (OpenAI API)."""
-
-
-class TurnBackend(Protocol):
-    trainable: bool
-
-    async def generate(self, state: RolloutState, max_tokens: int) -> GeneratedTurn: ...
-
-
-@dataclass
-class AssistantTurn:
-    """What one assistant turn did."""
-
-    span: tuple[int, int]
-    """``[start, end)`` of its sampled tokens in the trajectory."""
-    finish_reason: str
-    tool_calls: list[ParsedToolCall]
-    tool_errors: list[str]
-    policy_version: int | None
-    text: str
-    tool_results: list[str] = field(default_factory=list)
-    """The content sent back for each call, in order (errors included)."""
-
-
-@dataclass
-class RolloutState:
-    """A rollout in progress, and its result once ``run_agent_loop`` returns."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    tokens: list[int] = field(default_factory=list)
-    masks: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    turns: list[AssistantTurn] = field(default_factory=list)
-    truncated: bool = False
-    stop: str = ""
-    """Why the episode ended: ``answer``, ``max_turns`` or ``max_tokens``."""
-    prefix_preserving: bool = True
-    trainable: bool = True
-    n_prompt_tokens: int = 0
-    segment_starts: list[int] = field(default_factory=list)
-    """Where a new context begins in ``tokens`` (the interception proxy, when an agent
-    edited its history); empty: one context."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """What an env records during the rollout for its reward hooks (e.g. a file the agent
-    left in its sandbox); not part of the trajectory."""
-    env_state: Any = None
-    """Set by ``BaseEnv`` when the rollout finished: the snapshot of the env's per-rollout
-    state (``snapshot_state(new_rollout_state(item))`` after the tools ran), what the
-    reward hooks score."""
-    reward_values: dict[str, Any] = field(default_factory=dict)
-    """Set by ``BaseEnv`` when scored with reward functions: each function's value (a
-    float, or one per turn), by name."""
-
-    @property
-    def tool_errors(self) -> int:
-        return sum(len(t.tool_errors) for t in self.turns)
-
-    @property
-    def tool_calls(self) -> int:
-        return sum(len(t.tool_calls) for t in self.turns)
-
-    @property
-    def final_text(self) -> str:
-        return self.turns[-1].text if self.turns else ""
-
-    def append(self, token_ids: list[int], *, sampled: bool,
-               logprobs: list[float] | None = None) -> None:
-        self.tokens += token_ids
-        if sampled:
-            self.masks += token_ids
-            self.logprobs += logprobs if logprobs is not None else [1.0] * len(token_ids)
-        else:
-            self.masks += [MASKED] * len(token_ids)
-            self.logprobs += [1.0] * len(token_ids)
+from environments.rollout import (  # noqa: F401  (re-exported: their old home)
+    AssistantTurn,
+    GeneratedTurn,
+    ParsedToolCall,
+    Rollout,
+    RolloutState,
+    TurnBackend,
+)
 
 
 class PromptTooLongError(ValueError):
@@ -146,7 +61,7 @@ async def run_agent_loop(
     max_token_length: int,
     max_tokens_per_turn: int | None = None,
     policy_version: Callable[[], int | None] | int | None = None,
-) -> RolloutState:
+) -> Rollout:
     """Run one episode from ``messages`` and return its trajectory.
 
     ``policy_version``: the weight version serving the requests, or a function returning
@@ -154,7 +69,7 @@ async def run_agent_loop(
     """
     by_name = {t.name: t for t in tools}
     schemas = [t.schema() for t in tools] or None
-    state = RolloutState(messages=[dict(m) for m in messages], tools=schemas,
+    state = Rollout(messages=[dict(m) for m in messages], tools=schemas,
                          trainable=backend.trainable)
     prompt = renderer.prompt_ids(state.messages, schemas)
     if len(prompt) >= max_token_length:
@@ -214,7 +129,7 @@ async def run_agent_loop(
     return state
 
 
-def describe_turns(state: RolloutState) -> list[dict[str, Any]]:
+def describe_turns(state: Rollout) -> list[dict[str, Any]]:
     """Per-turn records for trajectory metadata (JSON-friendly)."""
     return [{"span": list(t.span), "finish_reason": t.finish_reason,
              "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in t.tool_calls],

@@ -24,9 +24,9 @@ from __future__ import annotations
 import abc
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
+from environments.rollout import ParsedToolCall, ParsedTurn
 from environments.trajectory import FunctionCall, ToolCall
 
 __all__ = [
@@ -41,25 +41,6 @@ __all__ = [
 ]
 
 DEFAULT_PARSER = "hermes"
-
-
-@dataclass
-class ParsedToolCall:
-    """One well-formed call: the tool's name, its arguments, and its exact source text."""
-
-    name: str
-    arguments: dict[str, Any]
-    raw: str
-
-
-@dataclass
-class ParsedTurn:
-    """An assistant turn split into its text (call blocks removed, stripped), its
-    well-formed calls in order, and one message per malformed call block."""
-
-    content: str
-    calls: list[ParsedToolCall] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 class ToolCallParser(abc.ABC):

@@ -120,7 +120,7 @@ class Tool:
 
     async def _run(self, kwargs: dict[str, Any]) -> Any:
         if self.state_arg is not None:
-            from environments.rewards import rollout_state
+            from environments.framework.rewards import rollout_state
 
             kwargs = {**kwargs, self.state_arg: rollout_state(None)}
         try:
@@ -447,7 +447,7 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
 
     Use as ``tool(fn)``, ``@tool`` or ``@tool(name=..., timeout_s=..., inline=...,
     state_arg=...)``. ``state_arg`` names a parameter that receives the rollout's state
-    (see :func:`environments.rewards.rollout_state`) and is left out of the schema. The name
+    (see :func:`environments.framework.rewards.rollout_state`) and is left out of the schema. The name
     defaults to the function's name, the description to the docstring's first
     paragraph; a Google-style ``Args:`` section gives the parameters' descriptions.
     Parameters with a default are optional. Every parameter needs a type hint among

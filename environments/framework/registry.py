@@ -8,7 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from environments.base import BaseEnv
+from environments.framework.base import BaseEnv
 
 ENVIRONMENTS = {
     "arithmetic_tool": "environments.envs.arithmetic_tool:ArithmeticToolEnv",

@@ -24,8 +24,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from environments.agent_loop import RolloutState, run_agent_loop
-from environments.base import EnvConfig
+from environments.framework.agent_loop import run_agent_loop
+from environments.framework.base import EnvConfig
+from environments.framework.tools import Tool, ToolError
+from environments.rollout import Rollout
 from environments.sandbox import (
     ExecResult,
     Sandbox,
@@ -34,7 +36,6 @@ from environments.sandbox import (
     SandboxUsageError,
     create_sandbox,
 )
-from environments.tools import Tool, ToolError
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class SandboxEnvMixin:
     async def prepare_sandbox(self, item: Any, sandbox: Sandbox) -> None:
         """Put the item's files in a new rollout sandbox."""
 
-    async def finish_sandbox(self, item: Any, sandbox: Sandbox, rollout: RolloutState) -> None:
+    async def finish_sandbox(self, item: Any, sandbox: Sandbox, rollout: Rollout) -> None:
         """Take what the reward needs out of the sandbox (into ``rollout.extra``)."""
 
     # -- machinery -------------------------------------------------------------------------
@@ -173,7 +174,7 @@ class SandboxEnvMixin:
         self.sandbox_stats.sandboxes += 1
         return box
 
-    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> RolloutState:
+    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> Rollout:
         async with await self.new_sandbox() as box:
             session = SandboxSession(box, self.sandbox_stats, self.config.tool_output_chars)
             await self.prepare_sandbox(item, box)

@@ -14,7 +14,7 @@ and, for per-turn rewards, mixes in :class:`TurnLevelRewardMixin` and implements
 is the outcome). Tools are the class attribute ``tools`` (or ``get_tools(item)``).
 
 Instead of the two ``compute_*`` hooks, an env may declare weighted reward functions
-(:mod:`environments.rewards`: ``@reward_function(weight=..., per_turn=...)`` methods or a
+(:mod:`environments.framework.rewards`: ``@reward_function(weight=..., per_turn=...)`` methods or a
 ``reward_functions`` list), which score the rollout together with a snapshot of the env's
 per-rollout state::
 
@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import random
-import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,8 +48,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments.agent_loop import RolloutState, describe_turns, run_agent_loop
-from environments.rewards import (
+from environments.framework import runner
+from environments.framework.agent_loop import describe_turns, run_agent_loop
+from environments.framework.rewards import (
     RewardFunction,
     combine_rewards,
     env_reward_functions,
@@ -58,9 +58,10 @@ from environments.rewards import (
     reward_metrics,
     set_rollout_state,
 )
+from environments.framework.tools import Tool
+from environments.inference.tool_parsers import get_parser
+from environments.rollout import Rollout
 from environments.settings import load_settings
-from environments.tool_parsers import get_parser
-from environments.tools import Tool
 from environments.trajectory import (
     ScoredGroup,
     ScoredTrajectory,
@@ -213,7 +214,7 @@ class TurnLevelRewardMixin:
     as that list and one ``turn_spans`` entry per turn.
     """
 
-    def compute_turn_rewards(self, item: Any, rollout: RolloutState) -> list[float]:
+    def compute_turn_rewards(self, item: Any, rollout: Rollout) -> list[float]:
         raise NotImplementedError(f"{type(self).__name__} must implement compute_turn_rewards")
 
 
@@ -228,7 +229,7 @@ class BaseEnv:
     config_class: ClassVar[type[EnvConfig]] = EnvConfig
     tools: ClassVar[list[Tool]] = []
     reward_functions: ClassVar[list[RewardFunction]] = []
-    """Reward functions ``(item, rollout, state)`` (see :mod:`environments.rewards`), in
+    """Reward functions ``(item, rollout, state)`` (see :mod:`environments.framework.rewards`), in
     addition to ``@reward_function`` methods. With any, they replace ``compute_reward`` /
     ``compute_turn_rewards``."""
 
@@ -278,7 +279,7 @@ class BaseEnv:
     def get_tools(self, item: Any) -> list[Tool]:
         return list(self.tools)
 
-    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> RolloutState:
+    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> Rollout:
         """One rollout of ``item``. Default: the multi-turn agent loop with this env's tools."""
         return await run_agent_loop(
             self.eval_backend if evaluation else self.backend, self.renderer,
@@ -287,7 +288,7 @@ class BaseEnv:
             max_tokens_per_turn=self.config.max_tokens_per_turn,
             policy_version=lambda: self.policy_version)
 
-    def compute_reward(self, item: Any, rollout: RolloutState) -> float:
+    def compute_reward(self, item: Any, rollout: Rollout) -> float:
         """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin or
         reward functions. ``rollout.env_state`` is the snapshot of the per-rollout state."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute_reward "
@@ -295,7 +296,7 @@ class BaseEnv:
 
     def new_rollout_state(self, item: Any) -> Any:
         """The per-rollout state of a new rollout of ``item`` (may be ``async``): any
-        object, shared by that rollout's tools (:func:`environments.rewards.rollout_state`,
+        object, shared by that rollout's tools (:func:`environments.framework.rewards.rollout_state`,
         or ``@tool(state_arg=...)``). Default: ``None`` (no state)."""
         return None
 
@@ -342,7 +343,7 @@ class BaseEnv:
                                               metadata={"evaluation": True}))
         return metrics
 
-    async def _eval_one(self, item: Any) -> tuple[RolloutState, ScoredTrajectory]:
+    async def _eval_one(self, item: Any) -> tuple[Rollout, ScoredTrajectory]:
         rollout, scores = await self._rollout(item, evaluation=True)
         return rollout, self.to_trajectory(item, rollout, scores)
 
@@ -388,7 +389,7 @@ class BaseEnv:
             await self._pool.close()
 
     # -- scoring -------------------------------------------------------------------------
-    async def _score(self, item: Any, rollout: RolloutState) -> float | list[float]:
+    async def _score(self, item: Any, rollout: Rollout) -> float | list[float]:
         if self._reward_functions:
             return await self._score_with_functions(item, rollout)
         if isinstance(self, TurnLevelRewardMixin):
@@ -406,10 +407,10 @@ class BaseEnv:
         return scores
 
     async def _score_with_functions(self, item: Any,
-                                    rollout: RolloutState) -> float | list[float]:
+                                    rollout: Rollout) -> float | list[float]:
         """Call every reward function on ``(item, rollout, rollout.env_state)``
         (concurrently), check the values, keep them in ``rollout.reward_values`` and
-        combine them (:func:`environments.rewards.combine_rewards`)."""
+        combine them (:func:`environments.framework.rewards.combine_rewards`)."""
         functions = self._reward_functions
         n_turns = len(rollout.turns)
 
@@ -452,14 +453,14 @@ class BaseEnv:
                               f"{scores} from {values}")
         return scores
 
-    def rollout_metrics(self, item: Any, rollout: RolloutState,
+    def rollout_metrics(self, item: Any, rollout: Rollout,
                         scores: float | list[float]) -> dict[str, float]:
         """Numbers that describe one rollout (e.g. ``tool_success``, ``correct``): stored in
         the trajectory's ``metadata["metrics"]``, averaged by ``evaluate`` and, per batch, by
         the trainer. Override to report an env's own measures."""
         return {}
 
-    def to_trajectory(self, item: Any, rollout: RolloutState,
+    def to_trajectory(self, item: Any, rollout: Rollout,
                       scores: float | list[float]) -> ScoredTrajectory:
         versions = [t.policy_version for t in rollout.turns]
         known = all(v is not None for v in versions) and versions
@@ -484,7 +485,7 @@ class BaseEnv:
                                   **self.rollout_metrics(item, rollout, scores)}})
 
     async def _rollout(self, item: Any, *, evaluation: bool = False
-                       ) -> tuple[RolloutState, float | list[float]]:
+                       ) -> tuple[Rollout, float | list[float]]:
         """One rollout within the concurrency limit, scored.
 
         The per-rollout state (``new_rollout_state``) is the current rollout state of this
@@ -582,150 +583,18 @@ class BaseEnv:
         except Exception:  # noqa: BLE001 - only for the log line of a failure
             return None
 
-    # -- running -------------------------------------------------------------------------
+    # -- running (environments.framework.runner) ------------------------------------------
     async def run_groups(self, delivery: Any, n_groups: int | None) -> None:
-        """Collect groups with enough concurrency to keep ``concurrency`` rollouts busy and
-        hand each to ``delivery.send``, until ``n_groups`` were delivered."""
-        workers = max(1, math.ceil(self.config.concurrency / self.config.group_size)) + 1
-        if n_groups is not None:
-            workers = min(workers, n_groups)
-        reserved = delivered = in_progress = 0
-        done = asyncio.Event()
-
-        async def worker() -> None:
-            nonlocal reserved, delivered, in_progress
-            while not done.is_set():
-                if n_groups is not None and reserved + in_progress >= n_groups:
-                    await asyncio.sleep(0.05)  # enough groups under way; one may still fail
-                    continue
-                limit = self.config.max_queued_groups
-                if limit is not None and (self.queued_groups or 0) + in_progress >= limit:
-                    await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
-                    continue
-                in_progress += 1
-                item = None
-                try:
-                    item = await self.get_next_item()
-                    group = await self.collect_group(item)
-                except Exception as error:  # a hook outside the rollouts: one failed group
-                    self.group_failed(self._item_id_or_none(item), error,
-                                      "the group could not be collected", traceback=True)
-                    group = None
-                finally:
-                    in_progress -= 1
-                if self._failed_in_a_row >= self.config.max_failed_groups_in_a_row:
-                    s = self.stats
-                    raise RuntimeError(
-                        f"{self._failed_in_a_row} groups in a row failed, so the setup looks "
-                        f"broken ({s.groups_sent} groups sent, {s.groups_failed} failed, "
-                        f"{s.reward_errors} reward errors in all); last error: "
-                        f"{self.last_error}")
-                if group is None:
-                    continue
-                if n_groups is not None and reserved >= n_groups:
-                    return  # enough groups are already being delivered
-                reserved += 1
-                group.env_id = getattr(self, "env_id", None)
-                await delivery.send(group)
-                if self.queued_groups is not None:  # until the next status poll says
-                    self.queued_groups += 1
-                delivered += 1
-                self.stats.groups_sent += 1
-                if n_groups is not None and delivered >= n_groups:
-                    done.set()
-
-        tasks = [asyncio.create_task(worker()) for _ in range(workers)]
-        finished = asyncio.create_task(done.wait())
-        try:
-            await asyncio.wait([finished, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in tasks:  # a worker that raised stops the run with its error
-                if task.done() and task.exception() is not None:
-                    raise task.exception()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            finished.cancel()
+        """Collect groups and hand each to ``delivery.send`` (see :func:`runner.run_groups`)."""
+        await runner.run_groups(self, delivery, n_groups)
 
     def describe_stats(self) -> dict[str, Any]:
         return asdict(self.stats)
 
     async def process(self, out: str | Path, n_groups: int) -> dict[str, Any]:
-        """Offline: write ``n_groups`` groups to the JSONL file ``out``, and its HTML report
-        next to it (``out`` with the suffix ``.html``)."""
-        from environments.delivery import JSONLDelivery
-        from environments.inspection import TokenDecoder, write_report
-
-        delivery = JSONLDelivery(out)
-        started = time.monotonic()
-        try:
-            await self.run_groups(delivery, n_groups)
-        finally:
-            await delivery.close()
-        seconds = round(time.monotonic() - started, 2)
-        # The HTML report of the whole file, next to it (``lachesis report`` does the same).
-        report = await asyncio.to_thread(
-            write_report, out, Path(out).with_suffix(".html"),
-            decoder=TokenDecoder(getattr(self.renderer, "tokenizer", None)))
-        return {**self.describe_stats(), "seconds": seconds, "out": str(out),
-                "report": str(report.path)}
+        """Offline: write ``n_groups`` groups to the JSONL file ``out``."""
+        return await runner.process(self, out, n_groups)
 
     async def serve(self) -> dict[str, Any]:
         """Push groups to the rollout API until ``total_groups`` (or forever)."""
-        from environments.api.client import RolloutAPIClient
-        from environments.delivery import APIDelivery, JSONLDelivery, Mirrored
-
-        config = self.config
-        spool = config.spool_path or Path("runs/spool") / f"{self.name}.jsonl"
-        async with RolloutAPIClient(config.api_url, config.api_token) as client:
-            registration = await self._register(client)
-            self.env_id = registration["env_id"]
-            log.info("registered with %s as env %s", config.api_url, self.env_id)
-            api = APIDelivery(client, spool)
-            copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
-            await api.start()
-            await self._poll_status(client)
-            poller = asyncio.create_task(self._follow_status(client))
-
-            try:
-                await self.run_groups(Mirrored(api, copy), config.total_groups)
-            finally:
-                poller.cancel()
-                await api.close()
-                if copy is not None:
-                    await copy.close()
-            return {**self.describe_stats(), "delivery": asdict(api.stats),
-                    "spooled_left": api.spooling}
-
-    async def _register(self, client: Any) -> dict[str, Any]:
-        """Register with the rollout API, waiting for it to come up if it is not yet."""
-        from environments.api.client import APIRequestError
-
-        config = self.config
-        while True:
-            try:
-                return await client.register_env(
-                    self.name, group_size=config.group_size,
-                    max_token_length=config.max_token_length, weight=config.env_weight,
-                    min_batch_allocation=config.min_batch_allocation)
-            except APIRequestError as error:
-                if error.status is not None:
-                    raise
-                log.warning("rollout API at %s not reachable yet (%s); retrying",
-                            config.api_url, error)
-                await asyncio.sleep(5)
-
-    async def _poll_status(self, client: Any) -> None:
-        status = await client.status()
-        self.policy_version = status.get("policy_version", self.policy_version)
-        self.queued_groups = status.get("queue_size", self.queued_groups)
-
-    async def _follow_status(self, client: Any, interval_s: float = 0.5) -> None:
-        """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
-        the API's."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self._poll_status(client)
-            except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
-                log.debug("policy version poll failed: %s", error)
+        return await runner.serve(self)

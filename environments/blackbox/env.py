@@ -3,7 +3,7 @@ endpoint (a coding CLI, a scaffold), by intercepting its model calls.
 
 For each rollout the env makes a sandbox, puts the task's files in it
 (``prepare_sandbox``), registers the rollout with the interception proxy
-(:mod:`environments.inference.proxy`) and starts the agent inside the sandbox
+(:mod:`environments.blackbox.proxy`) and starts the agent inside the sandbox
 (``agent_command``) with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` pointing at the proxy's
 endpoint for that rollout. Every chat-completions request of the agent is generated
 token-in/token-out on vLLM; the proxy records the tokens, logprobs and turn spans. When
@@ -16,7 +16,7 @@ Hooks (besides ``BaseEnv``'s ``get_next_item`` and the reward hooks)::
 
     agent_task(item)                     the task text the agent gets ($LACHESIS_TASK)
     agent_command(item)                  the command run in the sandbox   (default: the
-                                         reference agent, environments/agents/reference_agent.py)
+                                         reference agent, environments/blackbox/agents/reference_agent.py)
     sandbox_image(item)                  docker: the image of this item   (default: config)
     prepare_sandbox(item, sandbox)       put the task's files in
     finish_sandbox(item, sandbox, rollout)
@@ -39,8 +39,7 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.agent_loop import RolloutState
-from environments.agents.runtime import (
+from environments.blackbox.agents.runtime import (
     LAUNCHER,
     MOUNT,
     REFERENCE_AGENT,
@@ -48,8 +47,9 @@ from environments.agents.runtime import (
     check_sandbox_python,
     runtime_env,
 )
+from environments.framework.sandbox_tools import SandboxEnvConfig, SandboxEnvMixin
+from environments.rollout import Rollout
 from environments.sandbox import SandboxError
-from environments.sandbox.tools import SandboxEnvConfig, SandboxEnvMixin
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,8 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
     # -- machinery -------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect to vLLM (``BaseEnv.start``), build the agent runtime, start the proxy."""
+        from environments.blackbox.proxy import InterceptionProxy
         from environments.inference.backends import VLLMBackend
-        from environments.inference.proxy import InterceptionProxy
 
         await super().start()
         if not isinstance(self.backend, VLLMBackend):
@@ -172,7 +172,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
                     **self.config.agent_env})
         return command + agent, env, mounts
 
-    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> RolloutState:
+    async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> Rollout:
         """One agent run in a fresh sandbox, its model calls recorded by the proxy."""
         item_id = self.item_id(item)
         rollout = self.proxy.open_rollout(self.eval_backend if evaluation else self.backend)
@@ -210,7 +210,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         check_sandbox_python(result.stdout + result.stderr)
         self._checked_images.add(image)
 
-    def _check_run(self, item_id: str, rollout: Any, state: RolloutState, result: Any) -> None:
+    def _check_run(self, item_id: str, rollout: Any, state: Rollout, result: Any) -> None:
         """Record the run; raise :class:`AgentError` when it must not be scored."""
         stats = self.agent_stats
         stats.new_segments += len(rollout.segments) - 1 if rollout.segments else 0
@@ -238,7 +238,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
                                  f"stderr: {result.stderr[-500:].strip()!r}")
             stats.limit_exits += 1
 
-    def to_trajectory(self, item: Any, rollout: RolloutState, scores: Any) -> Any:
+    def to_trajectory(self, item: Any, rollout: Rollout, scores: Any) -> Any:
         trajectory = super().to_trajectory(item, rollout, scores)
         run = {k: v for k, v in rollout.extra.get("agent", {}).items() if not k.endswith("_tail")}
         trajectory.metadata = {**trajectory.metadata, "agent": run}

@@ -1,0 +1,165 @@
+"""Running an env: collect groups with the configured concurrency and deliver them,
+offline to a JSONL file (:func:`process`, ``lachesis env process``) or to the rollout API
+(:func:`serve`, ``lachesis env serve``: registration, policy-version and queue polling,
+spooling while the API is away). ``BaseEnv.process`` / ``serve`` call these.
+
+``env`` is a started :class:`~environments.framework.base.BaseEnv` (not imported here:
+the runner sits beside the env class and only calls its public hooks and stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from environments.api.client import APIRequestError, RolloutAPIClient
+from environments.framework.delivery import APIDelivery, JSONLDelivery, Mirrored
+
+log = logging.getLogger(__name__)
+
+
+async def run_groups(env: Any, delivery: Any, n_groups: int | None) -> None:
+    """Collect groups with enough concurrency to keep ``concurrency`` rollouts busy and
+    hand each to ``delivery.send``, until ``n_groups`` were delivered."""
+    workers = max(1, math.ceil(env.config.concurrency / env.config.group_size)) + 1
+    if n_groups is not None:
+        workers = min(workers, n_groups)
+    reserved = delivered = in_progress = 0
+    done = asyncio.Event()
+
+    async def worker() -> None:
+        nonlocal reserved, delivered, in_progress
+        while not done.is_set():
+            if n_groups is not None and reserved + in_progress >= n_groups:
+                await asyncio.sleep(0.05)  # enough groups under way; one may still fail
+                continue
+            limit = env.config.max_queued_groups
+            if limit is not None and (env.queued_groups or 0) + in_progress >= limit:
+                await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
+                continue
+            in_progress += 1
+            item = None
+            try:
+                item = await env.get_next_item()
+                group = await env.collect_group(item)
+            except Exception as error:  # a hook outside the rollouts: one failed group
+                env.group_failed(env._item_id_or_none(item), error,
+                                  "the group could not be collected", traceback=True)
+                group = None
+            finally:
+                in_progress -= 1
+            if env._failed_in_a_row >= env.config.max_failed_groups_in_a_row:
+                s = env.stats
+                raise RuntimeError(
+                    f"{env._failed_in_a_row} groups in a row failed, so the setup looks "
+                    f"broken ({s.groups_sent} groups sent, {s.groups_failed} failed, "
+                    f"{s.reward_errors} reward errors in all); last error: "
+                    f"{env.last_error}")
+            if group is None:
+                continue
+            if n_groups is not None and reserved >= n_groups:
+                return  # enough groups are already being delivered
+            reserved += 1
+            group.env_id = getattr(env, "env_id", None)
+            await delivery.send(group)
+            if env.queued_groups is not None:  # until the next status poll says
+                env.queued_groups += 1
+            delivered += 1
+            env.stats.groups_sent += 1
+            if n_groups is not None and delivered >= n_groups:
+                done.set()
+
+    tasks = [asyncio.create_task(worker()) for _ in range(workers)]
+    finished = asyncio.create_task(done.wait())
+    try:
+        await asyncio.wait([finished, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:  # a worker that raised stops the run with its error
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        finished.cancel()
+
+
+async def process(env: Any, out: str | Path, n_groups: int) -> dict[str, Any]:
+    """Offline: write ``n_groups`` groups to the JSONL file ``out``; returns the env's
+    stats with ``seconds`` and ``out``. (``lachesis env process`` also writes the file's
+    HTML report next to it.)"""
+    delivery = JSONLDelivery(out)
+    started = time.monotonic()
+    try:
+        await run_groups(env, delivery, n_groups)
+    finally:
+        await delivery.close()
+    return {**env.describe_stats(), "seconds": round(time.monotonic() - started, 2),
+            "out": str(out)}
+
+
+async def serve(env: Any) -> dict[str, Any]:
+    """Push groups to the rollout API until ``total_groups`` (or forever)."""
+    from environments.api.client import RolloutAPIClient
+    from environments.framework.delivery import JSONLDelivery
+
+    config = env.config
+    spool = config.spool_path or Path("runs/spool") / f"{env.name}.jsonl"
+    async with RolloutAPIClient(config.api_url, config.api_token) as client:
+        registration = await register(env, client)
+        env.env_id = registration["env_id"]
+        log.info("registered with %s as env %s", config.api_url, env.env_id)
+        api = APIDelivery(client, spool)
+        copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
+        await api.start()
+        await poll_status(env, client)
+        poller = asyncio.create_task(follow_status(env, client))
+
+        try:
+            await run_groups(env, Mirrored(api, copy), config.total_groups)
+        finally:
+            poller.cancel()
+            await api.close()
+            if copy is not None:
+                await copy.close()
+        return {**env.describe_stats(), "delivery": asdict(api.stats),
+                "spooled_left": api.spooling}
+
+
+async def register(env: Any, client: RolloutAPIClient) -> dict[str, Any]:
+    """Register with the rollout API, waiting for it to come up if it is not yet."""
+
+    config = env.config
+    while True:
+        try:
+            return await client.register_env(
+                env.name, group_size=config.group_size,
+                max_token_length=config.max_token_length, weight=config.env_weight,
+                min_batch_allocation=config.min_batch_allocation)
+        except APIRequestError as error:
+            if error.status is not None:
+                raise
+            log.warning("rollout API at %s not reachable yet (%s); retrying",
+                        config.api_url, error)
+            await asyncio.sleep(5)
+
+
+async def poll_status(env: Any, client: RolloutAPIClient) -> None:
+    status = await client.status()
+    env.policy_version = status.get("policy_version", env.policy_version)
+    env.queued_groups = status.get("queue_size", env.queued_groups)
+
+
+async def follow_status(env: Any, client: RolloutAPIClient, interval_s: float = 0.5) -> None:
+    """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
+    the API's."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await poll_status(env, client)
+        except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
+            log.debug("policy version poll failed: %s", error)
