@@ -141,6 +141,12 @@ def test_bad_run_config_is_refused_before_anything_starts(tiny_model_dir, tmp_pa
     result = subprocess.run([sys.executable, "-m", "lachesis.cli", "run", str(wired)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "api_url" in result.stderr
+    uneven = write_config(tmp_path, tiny_model_dir, "uneven", train={"batch_size": 10},
+                          envs=[{"name": "arithmetic_tool", "settings": {"group_size": 4}}])
+    result = subprocess.run([sys.executable, "-m", "lachesis.cli", "run", str(uneven)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "group_size 4 does not divide train.batch_size 10" in result.stderr
 
 
 def test_killing_the_supervisor_outright_leaves_no_process(tiny_model_dir, tmp_path):

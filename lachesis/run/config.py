@@ -125,6 +125,15 @@ class RunConfig(_Section):
             check(f"envs[{i}] ({env.name}).settings", "env",
                   load_env_class(env.name).config_class, env.settings)
         check("train", "train", TrainConfig, self.train, model=self.model)
+        batch_size = TrainConfig.model_validate({"model": self.model, **self.train}).batch_size
+        for i, env in enumerate(self.envs):
+            group_size = load_env_class(env.name).config_class.model_validate(
+                env.settings).group_size
+            if batch_size % group_size:
+                raise ValueError(
+                    f"envs[{i}] ({env.name}).settings: group_size {group_size} does not divide "
+                    f"train.batch_size {batch_size}; batches hold whole groups, so every "
+                    f"batch would have {batch_size - batch_size % group_size} sequences")
         if self.warm_start is not None:
             env_class = load_env_class(self.warm_start.env)
             if not hasattr(env_class, "oracle_messages"):
