@@ -209,7 +209,7 @@ def process_cli(vllm_server, tmp_path, env: str, settings: dict, groups: int):
         **settings}))
     out = tmp_path / "groups.jsonl"
     done = subprocess.run(
-        [sys.executable, "-m", "environments.cli", "env", "process", env, "--config",
+        [sys.executable, "-m", "lachesis.cli", "env", "process", env, "--config",
          str(config), "--out", str(out), "--groups", str(groups), "--log-level", "WARNING"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     return done, out
