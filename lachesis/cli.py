@@ -232,13 +232,20 @@ def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
         "make-tiny-model", help="build a tiny random Qwen2 model + byte tokenizer (no downloads)")
     p.add_argument("out", type=Path, help="directory to write the HF model to")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", choices=["bytes", "arithmetic"], default="bytes",
+                   help="bytes: byte-level, full Qwen-style tool prompt (the test model); "
+                        "arithmetic: BPE learned on arithmetic_tool text, compact tool prompt "
+                        "(the quickstart's model)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
     p.set_defaults(run=_run_make_tiny_model)
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
     from lachesis.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.out, seed=args.seed)
+    path = make_tiny_model(args.out, seed=args.seed, tokenizer=args.tokenizer,
+                           num_layers=args.layers, hidden_size=args.hidden_size)
     print(f"tiny model written to {path}")
     return 0
 

@@ -20,6 +20,8 @@ Heavy imports (torch, transformers, tokenizers) happen inside the functions.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 ENDOFTEXT = "<|endoftext|>"
@@ -79,6 +81,23 @@ CHAT_TEMPLATE = (
 )
 
 
+# The same ChatML template with a compact tools block: one line per tool, its name, its
+# parameters and the first line of its description, instead of the JSON schemas and the
+# paragraph of instructions above (~860 byte tokens for arithmetic_tool). The tiny task
+# model reads its whole prompt in ~60 tokens, which is what makes copying learnable on a
+# CPU. Tool calls and results render exactly as above (Hermes style).
+_TOOLS_BLOCK = CHAT_TEMPLATE[CHAT_TEMPLATE.index("{{- '# Tools"):
+                             CHAT_TEMPLATE.index("{%- endif %}{%- for message")]
+COMPACT_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TOOLS_BLOCK, (
+    "{{- 'Tools:' }}"
+    "{%- for tool in tools %}"
+    "{%- set f = tool.function if tool.function is defined else tool %}"
+    "{{- '\\n' + f.name + '(' + (f.parameters.properties | list | join(', ')) + '): ' }}"
+    "{{- (f.description or '').split('\\n')[0] }}"
+    "{%- endfor %}"
+    "{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"))
+
+
 def build_tokenizer():
     """The byte-level tokenizer, as a `transformers.PreTrainedTokenizerFast`.
 
@@ -126,6 +145,70 @@ def build_tokenizer():
     return tokenizer
 
 
+def build_task_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
+    """A BPE tokenizer learned on ``corpus`` (text the project generates), as a
+    `transformers.PreTrainedTokenizerFast` with the compact chat template.
+
+    The same pipeline as :func:`build_tokenizer` (NFC, Qwen's split regex, ByteLevel), so
+    transformers, vLLM and this function agree, and every byte is still a token (any text
+    encodes): only the merges are learned, up to ``vocab_size``. Qwen's regex isolates
+    every digit, so numbers are one token per digit; the ChatML specials and tool tags
+    are atomic added tokens, as in the byte tokenizer.
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[])
+    # The tags must not be learned as pieces of text: cut them out of the corpus.
+    tags = [*SPECIAL_TOKENS, *TOOL_TAGS]
+    pieces = (part for text in corpus for part in re.split("|".join(map(re.escape, tags)), text))
+    tok.train_from_iterator(pieces, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, bos_token=None,
+        unk_token=None, extra_special_tokens=[IM_START], clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30)
+    tokenizer.chat_template = COMPACT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def arithmetic_corpus(n_conversations: int = 3000, seed: int = 0) -> list[str]:
+    """``arithmetic_tool`` demonstrations rendered with the compact template (the text
+    the task tokenizer learns its merges on), items drawn with their own seed."""
+    import random
+
+    from environments.envs.arithmetic_tool import ArithmeticToolEnv
+    from environments.framework.tools import tool_schemas
+
+    env = ArithmeticToolEnv()
+    renderer = build_tokenizer()
+    renderer.chat_template = COMPACT_CHAT_TEMPLATE
+    rng = random.Random(f"corpus-{seed}")
+    schemas = tool_schemas(env.tools)
+    return [renderer.apply_chat_template(env.oracle_messages(env.make_item(i, rng)),
+                                         tools=schemas, tokenize=False)
+            for i in range(n_conversations)]
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode symbol map (what ByteLevel uses)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
@@ -140,17 +223,30 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+TOKENIZERS = ("bytes", "arithmetic")
+"""``bytes``: the byte-level tokenizer and the full Qwen-style template (the test model);
+``arithmetic``: BPE merges learned on ``arithmetic_tool`` demonstrations and the compact
+template (the quickstart's model: its prompt is ~75 tokens instead of ~940)."""
+
+
 def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
                     num_heads: int = 2, num_kv_heads: int = 1,
                     max_position_embeddings: int = 4096,
-                    intermediate_size: int | None = None) -> Path:
-    """Write tokenizer + chat template + seeded random Qwen2 model to `out_dir`."""
+                    intermediate_size: int | None = None, tokenizer: str = "bytes",
+                    vocab_size: int = 512) -> Path:
+    """Write tokenizer + chat template + seeded random Qwen2 model to `out_dir`.
+
+    ``tokenizer``: one of :data:`TOKENIZERS`; ``vocab_size``: the learned vocabulary's
+    size for ``arithmetic`` (merges stop earlier when the corpus has no more pairs)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer: {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer() if tokenizer == "bytes" else \
+        build_task_tokenizer(arithmetic_corpus(seed=seed), vocab_size)
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     endoftext = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
 

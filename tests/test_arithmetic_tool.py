@@ -46,13 +46,18 @@ def turn(text, calls=(), errors=(), results=()):
 
 ITEM = {"id": "x", "question": "What is 6 * 7?", "expression": "6 * 7", "answer": 42}
 CALL = ParsedToolCall("calculator", {"expression": "6 * 7"}, "")
+SPACELESS = ParsedToolCall("calculator", {"expression": "6*7"}, "")
+OTHER = ParsedToolCall("calculator", {"expression": "40 + 2"}, "")
 
 
 @pytest.mark.parametrize("turns, stop, expected", [
-    # call that found the answer, then the exact answer
+    # the right call, then the exact answer
     ([turn("", [CALL], results=["42"]), turn("<answer>42</answer>")], "answer", [1.0, 1.0]),
-    # call executed but computed something else; right answer inside other text
-    ([turn("", [CALL], results=["41"]), turn("so <answer>42</answer>")], "answer", [0.5, 0.8]),
+    # the right call written without spaces is still the right call
+    ([turn("", [SPACELESS], results=["42"]), turn("<answer>42</answer>")], "answer", [1.0, 1.0]),
+    # a well-formed call with another expression earns nothing, even one that gives the
+    # same number; the right number inside other text earns 0.8
+    ([turn("", [OTHER], results=["42"]), turn("so <answer>42</answer>")], "answer", [0.0, 0.8]),
     # failing call, then a wrong number in the tags
     ([turn("", [CALL], ["boom"], ["Error: boom"]), turn("<answer>7</answer>")], "answer", [0.0, 0.1]),
     # no tool use at all: one turn, the outcome

@@ -61,7 +61,10 @@ def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | No
 
 
 def test_short_run_flows_groups_syncs_weights_and_leaves_no_process(tiny_model_dir, tmp_path):
-    config = write_config(tmp_path, tiny_model_dir, "short")
+    # The quickstart's model: built by the run (learned tokenizer, compact tool prompt), so
+    # vLLM serving it and the trainer's step-0 alignment check against vLLM are tested too.
+    config = write_config(tmp_path, tiny_model_dir, "short", model=str(tmp_path / "arith"),
+                          build_tiny_model={"tokenizer": "arithmetic"})
     run = start_run(config)
     out, err = run.communicate(timeout=900)
     assert run.returncode == 0, err[-3000:]
@@ -89,6 +92,8 @@ def test_short_run_flows_groups_syncs_weights_and_leaves_no_process(tiny_model_d
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["before"]["arithmetic_tool"]) >= {"tool_success", "correct", "mean_outcome"}
     assert "| tool-call success |" in out
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "alignment check: mean |trainer - vLLM| logprob" in trainer_log
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
 
 

@@ -62,6 +62,8 @@ class TrainConfig(BaseModel):
     aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
     # optimizer
     lr: float = Field(default=1e-5, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up from lr/warmup_steps to lr over this many steps."""
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(default=1e-8, gt=0)

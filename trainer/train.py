@@ -263,6 +263,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                                   eps=config.adam_eps, weight_decay=config.weight_decay)
     start_step, position = restore(checkpoint, model, optimizer, sharded) if checkpoint \
         else (0, 0)
+    warmup = config.warmup_steps
     ref_model = None
     if config.kl_coef > 0 and rl:
         ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device).eval()
@@ -309,6 +310,10 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     return summary
             # 4. forward/backward, optimizer step
             values = dict(stats)
+            if warmup:
+                for group in optimizer.param_groups:
+                    group["lr"] = config.lr * min(1.0, (step + 1) / warmup)
+                values["lr"] = optimizer.param_groups[0]["lr"]
             if tensors is not None:
                 values.update(train_step(model, optimizer, tensors, config, ref_model=ref_model,
                                          rank=rank, world=world, sharded=sharded))

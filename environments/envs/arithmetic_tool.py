@@ -7,10 +7,12 @@ The model is asked e.g. "What is 17 * 23 - 4?". A good episode has two assistant
 2. the answer ``<answer>387</answer>``.
 
 Turn-level rewards, in the spirit of MT-GRPO (one per assistant turn, the last is the
-outcome):
+outcome). Each turn earns what it did right, not its format:
 
-* a turn before the last: 0.5 if it made a tool call that executed without error, plus
-  0.5 if a result of that turn equals the answer (the right expression was computed);
+* a turn before the last: 1.0 if it called ``calculator`` with the item's expression (the
+  question's expression, spaces ignored) and the call executed; 0.0 otherwise: no call, a
+  malformed call, a failed call, or any other expression (even one that happens to give
+  the same number: the turn is rewarded for the right call, not for luck);
 * the last turn (outcome): 1.0 for exactly ``<answer>N</answer>`` with the right N and
   nothing else but whitespace, 0.8 for the right N inside other text, 0.1 for a wrong
   number in the tags, 0.0 otherwise (no tags, or a truncated episode).
@@ -148,28 +150,34 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
             return 0.1
         return 1.0 if _ANSWER.fullmatch(text.strip()) else 0.8
 
+    @staticmethod
+    def right_call(item: dict[str, Any], turn: Any) -> bool:
+        """The turn called the calculator with the item's expression (spaces ignored),
+        and the call executed (its result is the answer)."""
+        want = "".join(item["expression"].split())
+        return not turn.tool_errors and any(
+            call.name == "calculator"
+            and "".join(str(call.arguments.get("expression", "")).split()) == want
+            for call in turn.tool_calls)
+
     def rollout_metrics(self, item: dict[str, Any], rollout: Rollout,
                         scores: float | list[float]) -> dict[str, float]:
         """``tool_success``: the episode called the calculator and every call executed;
-        ``right_expression``: a call returned the answer; ``correct``: the final answer
-        holds the right number (outcome >= 0.8); ``exact_match``: it is exactly
-        ``<answer>N</answer>`` (outcome 1.0)."""
+        ``right_expression``: a turn made the right call (:meth:`right_call`);
+        ``correct``: the final answer holds the right number (outcome >= 0.8);
+        ``exact_match``: it is exactly ``<answer>N</answer>`` (outcome 1.0)."""
         calls = sum(len(t.tool_calls) for t in rollout.turns)
         outcome = scores[-1] if isinstance(scores, list) else scores
         return {
             "tool_success": float(calls > 0 and rollout.tool_errors == 0),
-            "right_expression": float(any(r.strip() == str(item["answer"])
-                                          for t in rollout.turns for r in t.tool_results)),
+            "right_expression": float(any(self.right_call(item, t)
+                                          for t in rollout.turns[:-1])),
             "correct": float(outcome >= 0.8),
             "exact_match": float(outcome == 1.0),
         }
 
     def compute_turn_rewards(self, item: dict[str, Any], rollout: Rollout) -> list[float]:
-        rewards = []
-        for turn in rollout.turns[:-1]:
-            executed = len(turn.tool_calls) > len(turn.tool_errors)
-            found = any(r.strip() == str(item["answer"]) for r in turn.tool_results)
-            rewards.append(0.5 * executed + 0.5 * found)
+        rewards = [float(self.right_call(item, turn)) for turn in rollout.turns[:-1]]
         final = rollout.turns[-1]
         answered = not rollout.truncated or rollout.stop == "answer"
         rewards.append(self.outcome_score(final.text, item["answer"]) if answered else 0.0)

@@ -58,6 +58,7 @@ from environments.framework.rewards import (
     reward_metrics,
     set_rollout_state,
 )
+from environments.framework.stats import ci95
 from environments.framework.tools import Tool
 from environments.inference.tool_parsers import get_parser
 from environments.rollout import Rollout
@@ -324,15 +325,20 @@ class BaseEnv:
         n = len(ok)
         outcomes = [t.outcome for _, t in ok]
         names = sorted({k for _, t in ok for k in t.metadata.get("metrics", {})})
+        per_episode = {
+            "mean_outcome": outcomes,
+            "tool_errors_per_episode": [s.tool_errors for s, _ in ok],
+            "truncated_rate": [float(s.truncated) for s, _ in ok],
+            **{name: [t.metadata["metrics"].get(name, 0.0) for _, t in ok] for name in names},
+        }
         metrics = {
             "env": self.name, "items": len(items), "failed": len(items) - n,
-            "mean_outcome": sum(outcomes) / n if n else None,
             "mean_turns": sum(len(s.turns) for s, _ in ok) / n if n else None,
             "tool_calls_per_episode": sum(s.tool_calls for s, _ in ok) / n if n else None,
-            "tool_errors_per_episode": sum(s.tool_errors for s, _ in ok) / n if n else None,
-            "truncated_rate": sum(s.truncated for s, _ in ok) / n if n else None,
-            **{name: sum(t.metadata["metrics"].get(name, 0.0) for _, t in ok) / n
-               for name in names},
+            **{name: sum(values) / n if n else None for name, values in per_episode.items()},
+            # 95 % confidence interval of each mean (Wilson for rates), [low, high]
+            **{f"{name}_ci95": list(ci) if (ci := ci95(values)) else None
+               for name, values in per_episode.items()},
         }
         if self.config.eval_out is not None:
             from environments.jsonl_store import GroupWriter

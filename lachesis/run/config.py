@@ -67,8 +67,10 @@ class RunConfig(_Section):
     runs_dir: Path = Path("runs")
     model: str
     """The policy: an HF model directory or name (the warm start trains from it)."""
-    build_tiny_model: bool = False
-    """Build ``model`` with ``make-tiny-model`` when the directory does not exist."""
+    build_tiny_model: bool | dict[str, Any] = False
+    """Build ``model`` with ``make-tiny-model`` when the directory does not exist: true, or
+    the builder's settings (e.g. ``{tokenizer: arithmetic, num_layers: 2}``, see
+    ``lachesis.tiny_model.make_tiny_model``)."""
     warm_start: WarmStartSettings | None = None
     """SFT on env demonstrations before RL (skipped when its result exists)."""
     api: dict[str, Any] = Field(default_factory=dict)

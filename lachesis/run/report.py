@@ -19,19 +19,24 @@ def before_after_table(before: dict[str, Any], after: dict[str, Any]) -> str:
         b, a = before[env], after.get(env, {})
         lines += [f"**{env}** ({b.get('items')} eval items, {b.get('failed', 0)} + "
                   f"{a.get('failed', 0)} failed)", "",
-                  "| metric | before RL | after RL | change |", "|---|---:|---:|---:|"]
+                  "| metric (95 % CI) | before RL | after RL | change |",
+                  "|---|---:|---:|---:|"]
         for key, label in _ROWS:
             if b.get(key) is None and a.get(key) is None:
                 continue
             x, y = b.get(key), a.get(key)
             change = f"{y - x:+.3f}" if x is not None and y is not None else "-"
-            lines.append(f"| {label} | {_num(x)} | {_num(y)} | {change} |")
+            lines.append(f"| {label} | {_num(x, b.get(key + '_ci95'))} | "
+                         f"{_num(y, a.get(key + '_ci95'))} | {change} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def _num(value: Any) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _num(value: Any, ci: list[float] | None = None) -> str:
+    """``0.234 [0.183, 0.292]``: the figure and its 95 % confidence interval."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
 
 def reward_curve(metrics_path: Path, out: Path, title: str) -> Path | None:

@@ -129,7 +129,8 @@ class Supervisor:
             from lachesis.tiny_model import make_tiny_model
 
             self.say(f"building the tiny model in {model}")
-            make_tiny_model(model)
+            settings = config.build_tiny_model
+            make_tiny_model(model, **(settings if isinstance(settings, dict) else {}))
         if config.warm_start is None:
             return model
         sft_dir = self.run_dir / "warm_start"
