@@ -13,7 +13,8 @@ products of two-digit numbers, so a correct answer needs a working calculator ca
 Reported per arm (mean and spread over seeds): tool-execution success and exact
 match of the final evaluation (sampled at the training temperature), the mean reward, and
 the first trainer step at which the batches' tool success (3-step moving average) reaches
-the threshold. Results go to ``docs/results.md`` and ``docs/credit_assignment.png``.
+the threshold. The report goes to ``runs/credit_assignment.md`` (``--out``), the plot to
+``docs/credit_assignment.png``.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def main() -> int:
     parser.add_argument("--eval-items", type=int, default=128)
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "credit_assignment")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "credit_assignment.md",
+                        help="the report (copy what you want to keep into docs/results.md)")
     parser.add_argument("--report-only", action="store_true",
                         help="write the report from the runs that finished; start none")
     args = parser.parse_args()
