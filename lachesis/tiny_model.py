@@ -107,30 +107,36 @@ def build_tokenizer():
     saved tokenizer.json, AutoTokenizer and vLLM all tokenize identically. Consequence:
     encode() NFC-normalizes, so decode(encode(text)) == unicodedata.normalize("NFC", text).
     """
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-    )
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     byte_to_symbol = _bytes_to_unicode()
     assert sorted(byte_to_symbol.values()) == sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {byte_to_symbol[b]: b for b in range(256)}  # id == byte value for ids 0..255
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok = _with_qwen_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False)))
+    return _chat_tokenizer(tok, CHAT_TEMPLATE)
+
+
+def _with_qwen_pipeline(tok):
+    """NFC, Qwen's split regex and ByteLevel: what transformers rebuilds for qwen2."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _chat_tokenizer(tok, chat_template: str):
+    """``tok`` with the ChatML specials and tool tags added, as a
+    `transformers.PreTrainedTokenizerFast` with ``chat_template``."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
-
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -141,7 +147,7 @@ def build_tokenizer():
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -155,25 +161,9 @@ def build_task_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
     every digit, so numbers are one token per digit; the ChatML specials and tool tags
     are atomic added tokens, as in the byte tokenizer.
     """
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        trainers,
-    )
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE(fuse_unk=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = _with_qwen_pipeline(Tokenizer(models.BPE(fuse_unk=False)))
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=[])
@@ -181,14 +171,7 @@ def build_task_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
     tags = [*SPECIAL_TOKENS, *TOOL_TAGS]
     pieces = (part for text in corpus for part in re.split("|".join(map(re.escape, tags)), text))
     tok.train_from_iterator(pieces, trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, bos_token=None,
-        unk_token=None, extra_special_tokens=[IM_START], clean_up_tokenization_spaces=False,
-        model_max_length=1 << 30)
-    tokenizer.chat_template = COMPACT_CHAT_TEMPLATE
-    return tokenizer
+    return _chat_tokenizer(tok, COMPACT_CHAT_TEMPLATE)
 
 
 def arithmetic_corpus(n_conversations: int = 3000, seed: int = 0) -> list[str]:
