@@ -24,7 +24,6 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lachesis.run.config import RunConfig  # noqa: E402
-from lachesis.run.supervisor import RunFailed, Supervisor  # noqa: E402
+from lachesis.run.supervisor import RunFailed, Supervisor, run_quietly  # noqa: E402
 
 # arm -> (label, trainer settings)
 ARMS = {
@@ -79,20 +78,7 @@ def one_run(args: argparse.Namespace, model: str, arm: str, seed: int, *,
                   evaluate_before=evaluate_before)
     values["train"].update(**ARMS[arm][1], seed=seed)
     values["envs"][0]["settings"]["seed"] = 1000 + seed
-    config = RunConfig.model_validate(values)
-    config.check_sections()
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)  # an unfinished attempt
-    run_dir.mkdir(parents=True)
-    supervisor = Supervisor(config, live=False)
-    started = time.monotonic()
-    try:
-        summary = supervisor.run()
-    finally:
-        supervisor.stop_all()
-    summary["seconds"] = time.monotonic() - started
+    summary = run_quietly(RunConfig.model_validate(values))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 

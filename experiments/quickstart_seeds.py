@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lachesis.run.config import RunConfig  # noqa: E402
-from lachesis.run.supervisor import Supervisor  # noqa: E402
+from lachesis.run.supervisor import run_quietly  # noqa: E402
 
 ENV = "arithmetic_tool"
 METRICS = [("correct", "answer accuracy"), ("tool_success", "tool-call success")]
@@ -51,20 +50,7 @@ def run_seed(seed: int, runs_dir: Path) -> dict[str, Any]:
     done = run_dir / "seed_summary.json"
     if done.exists():
         return json.loads(done.read_text())
-    config = RunConfig.model_validate(seed_config(seed, runs_dir))
-    config.check_sections()
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)  # an unfinished attempt
-    run_dir.mkdir(parents=True)
-    supervisor = Supervisor(config, live=False)
-    started = time.monotonic()
-    try:
-        summary = supervisor.run()
-    finally:
-        supervisor.stop_all()
-    summary["seconds"] = time.monotonic() - started
+    summary = run_quietly(RunConfig.model_validate(seed_config(seed, runs_dir)))
     done.write_text(json.dumps(summary, indent=2, default=str))
     return summary
 

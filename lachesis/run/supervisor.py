@@ -270,6 +270,23 @@ class Supervisor:
         return summary
 
 
+def run_quietly(config: RunConfig) -> dict[str, Any]:
+    """Run the whole system from scratch (an unfinished earlier attempt is removed) without
+    the live display, for experiment scripts; returns the summary with ``seconds``."""
+    config.check_sections()
+    if config.run_dir.exists():
+        shutil.rmtree(config.run_dir)
+    config.run_dir.mkdir(parents=True)
+    supervisor = Supervisor(config, live=False)
+    started = time.monotonic()
+    try:
+        summary = supervisor.run()
+    finally:
+        supervisor.stop_all()
+    summary["seconds"] = time.monotonic() - started
+    return summary
+
+
 def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
         live: bool | None = None) -> int:
     """Run the whole system; returns the exit code (0: the trainer finished)."""
