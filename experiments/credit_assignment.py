@@ -1,26 +1,26 @@
-"""Credit assignment on ``arithmetic_tool``: GRPO-OR, GRPO-MR, MT-GRPO and turn-RTG from
-the same warm start, with the same seeds and the same budget.
+"""Credit assignment on ``arithmetic_tool``: GRPO-OR, GRPO-MR, MT-GRPO, turn-RTG and
+turn-prefix samples from one warm start, with the same seeds and the same budget.
 
-    python experiments/credit_assignment.py                      # 5 arms x 3 seeds
-    python experiments/credit_assignment.py --arms grpo mt_grpo --seeds 0 --steps 5
-    python experiments/credit_assignment.py --report-only        # table of finished runs
+    python experiments/credit_assignment.py                 # the pre-registered 5 arms x 5 seeds
+    python experiments/credit_assignment.py --arms grpo mt_grpo --seeds 0 --steps 5  # a smoke run
+    python experiments/credit_assignment.py --report-only   # report the runs that finished
 
-Every run is a real ``lachesis run`` (rollout API, vLLM, env server, trainer as processes)
-started from one shared SFT warm start; the arm (advantage estimator, or turn-prefix
-samples) and the seed are the only differences. The setting is one where tool use matters: the tiny model cannot compute
-products of two-digit numbers, so a correct answer needs a working calculator call.
-
-Reported per arm (mean and spread over seeds): tool-execution success and exact
-match of the final evaluation (sampled at the training temperature), the mean reward, and
-the first trainer step at which the batches' tool success (3-step moving average) reaches
-the threshold. The report goes to ``runs/credit_assignment.md`` (``--out``), the plot to
-``docs/credit_assignment.png``.
+The setting, arms, metrics and analysis are fixed in ``configs/credit_assignment.yaml`` and
+pre-registered in docs/results.md. Every run is a real ``lachesis run`` (rollout API,
+vLLM, env server, trainer as processes) from one shared SFT warm start; the arm and the
+seed are the only differences. Per arm, over seeds: the final evaluation's tool success,
+exact match, answer accuracy and direct-answer rate, and the area under the training
+accuracy curve (the mean of the batches' answer accuracy over all RL steps), each as a mean
+with its 95 % t-interval over seeds, and each arm's paired difference from GRPO-OR (same
+seeds, same items). The report goes to ``runs/credit_assignment.md`` (``--out``), the plot
+beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -35,28 +35,45 @@ sys.path.insert(0, str(REPO))
 from lachesis.run.config import RunConfig  # noqa: E402
 from lachesis.run.supervisor import RunFailed, Supervisor, run_quietly  # noqa: E402
 
+ENV = "arithmetic_tool"
 # arm -> (label, trainer settings)
 ARMS = {
     "grpo": ("GRPO-OR (outcome)", {"estimator": "grpo"}),
     "grpo_merged": ("GRPO-MR (summed turns)", {"estimator": "grpo_merged"}),
     "mt_grpo": ("MT-GRPO", {"estimator": "mt_grpo"}),
-    "turn_rtg": ("turn-RTG (length-robust)", {"estimator": "turn_rtg"}),
+    "turn_rtg": ("turn-RTG", {"estimator": "turn_rtg"}),
     # One row per turn prefix, each weighted as a sequence: under token_mean the rows
-    # would give exactly the gradient of one row per trajectory (README, Training).
-    "turn_prefix": ("turn-prefix samples (turn-RTG, sequence mean)",
+    # would give exactly the gradient of one row per trajectory (docs/training.md).
+    "turn_prefix": ("turn-prefix samples (turn-RTG)",
                     {"estimator": "turn_rtg", "samples": "turn_prefix",
                      "aggregation": "sequence_mean"}),
 }
+# final-evaluation metric -> label; "auc" is the area under the training accuracy curve
+METRICS = {"tool_success": "tool success", "exact_match": "exact match",
+           "correct": "answer accuracy", "direct_answer": "direct answers",
+           "auc": "accuracy AUC"}
+# two-sided 95 % quantiles of Student's t, by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and 95 % t-interval ``mean ± t_{0.975, n-1} · s / sqrt(n)`` over seeds."""
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, mean, mean
+    df = len(values) - 1
+    t = T95[max(d for d in T95 if d <= df)]  # conservative between table entries
+    half = t * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
 
 
 def base_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The quickstart's settings, with this experiment's budget."""
-    config = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    config = yaml.safe_load(args.config.read_text())
     config["runs_dir"] = str(args.runs_dir)
     config["model"] = str(args.runs_dir / "tiny-model")
-    config["train"].update(steps=args.steps, lr=args.lr, checkpoint_every=args.steps)
-    config["envs"][0]["settings"]["eval_items"] = args.eval_items
-    config["warm_start"]["train"]["steps"] = args.warm_start_steps
+    if args.steps:
+        config["train"].update(steps=args.steps, checkpoint_every=args.steps)
     return config
 
 
@@ -77,20 +94,10 @@ def one_run(args: argparse.Namespace, model: str, arm: str, seed: int, *,
     values.update(name=name, model=model, warm_start=None, build_tiny_model=False,
                   evaluate_before=evaluate_before)
     values["train"].update(**ARMS[arm][1], seed=seed)
-    values["envs"][0]["settings"]["seed"] = 1000 + seed
+    values["envs"][0]["settings"]["seed"] = 1000 + seed  # the same items for every arm
     summary = run_quietly(RunConfig.model_validate(values))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
-
-
-def steps_to_threshold(metrics: list[dict[str, Any]], key: str, threshold: float,
-                       window: int = 3) -> int | None:
-    values = [m.get(key) for m in metrics]
-    for i in range(window - 1, len(values)):
-        recent = values[i - window + 1:i + 1]
-        if None not in recent and sum(recent) / window >= threshold:
-            return metrics[i]["step"]
-    return None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -98,72 +105,77 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def mean_sd(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+def run_values(args: argparse.Namespace, arm: str, seed: int,
+               summary: dict[str, Any]) -> dict[str, float]:
+    after = summary["after"][ENV]
+    values = {key: float(after.get(key, 0.0)) for key in METRICS if key != "auc"}
+    curve = [m["env/correct"] for m in read_metrics(args.runs_dir / f"{arm}-seed{seed}")
+             if "env/correct" in m]
+    values["auc"] = statistics.mean(curve) if curve else 0.0
+    return values
+
+
+def cell(values: list[float]) -> str:
+    mean, low, high = t_interval(values)
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def report(args: argparse.Namespace, results: dict[tuple[str, int], dict[str, Any]],
            command: str, minutes: float) -> str:
-    env = "arithmetic_tool"
-    before = next(r["before"][env] for r in results.values() if "before" in r)
+    before = next(r["before"][ENV] for r in results.values() if "before" in r)
+    per_run = {key: run_values(args, *key, summary) for key, summary in results.items()}
+    seeds = sorted({seed for _, seed in results})
     lines = [
-        "# Credit assignment on `arithmetic_tool`", "",
-        f"Command: `{command}` (the RL runs took {minutes:.0f} minutes on this 2-core "
-        "machine).", "",
-        f"Every run: the same SFT warm start ({args.warm_start_steps} steps on oracle "
-        f"demonstrations), {args.steps} RL steps of 8 groups x 8 rollouts, lr {args.lr}, "
-        f"evaluation on {args.eval_items} held-out items sampled at temperature 1.0. Seeds: "
-        f"{', '.join(map(str, args.seeds))} (the seed sets the trainer's and the env's "
-        "random streams). Threshold: batch tool success (3-step moving average) >= "
-        f"{args.threshold}.", "",
-        f"Warm start, before RL: tool success {before['tool_success']:.3f}, exact match "
-        f"{before['exact_match']:.3f}, correct number {before['correct']:.3f}, mean "
-        f"outcome {before['mean_outcome']:.3f}.", "",
-        "| arm | tool success | exact match | correct number | mean outcome | "
-        "steps to threshold |", "|---|---:|---:|---:|---:|---:|"]
-    curves = {}
+        f"Command: `{command}` ({len(results)} runs, {minutes:.0f} minutes of RL runs on "
+        "this 2-core machine).", "",
+        f"Warm start, before RL ({before['items']} held-out items): tool success "
+        f"{before['tool_success']:.3f}, exact match {before['exact_match']:.3f}, answer "
+        f"accuracy {before['correct']:.3f}, direct answers {before.get('direct_answer', 0):.3f}.",
+        "", "Mean over seeds [95 % t-interval]; final evaluation except accuracy AUC "
+        "(the mean batch answer accuracy over all RL steps).", "",
+        "| arm | seeds | " + " | ".join(METRICS.values()) + " |",
+        "|---|---:|" + "---:|" * len(METRICS)]
     for arm in args.arms:
-        runs = [(seed, results[(arm, seed)]) for seed in args.seeds if (arm, seed) in results]
-        if not runs:
+        runs = [per_run[(arm, s)] for s in seeds if (arm, s) in per_run]
+        if runs:
+            lines.append(f"| {ARMS[arm][0]} | {len(runs)} | "
+                         + " | ".join(cell([r[k] for r in runs]) for k in METRICS) + " |")
+    lines += ["", "Paired difference from GRPO-OR (same seeds), mean [95 % t-interval]:", "",
+              "| arm | " + " | ".join(METRICS.values()) + " |", "|---|" + "---:|" * len(METRICS)]
+    for arm in args.arms:
+        paired = [s for s in seeds if (arm, s) in per_run and ("grpo", s) in per_run]
+        if arm == "grpo" or not paired:
             continue
-        after = [r["after"][env] for _, r in runs]
-        reached = []
-        for seed, _ in runs:
-            metrics = read_metrics(args.runs_dir / f"{arm}-seed{seed}")
-            reached.append(steps_to_threshold(metrics, "env/tool_success", args.threshold))
-            curves.setdefault(arm, []).append([m.get("env/tool_success") for m in metrics])
-        reached_text = ", ".join("never" if s is None else str(s) for s in reached)
-        lines.append(
-            f"| {ARMS[arm][0]} | {mean_sd([a['tool_success'] for a in after])} | "
-            f"{mean_sd([a['exact_match'] for a in after])} | "
-            f"{mean_sd([a['correct'] for a in after])} | "
-            f"{mean_sd([a['mean_outcome'] for a in after])} | {reached_text} |")
-    plot(curves, args.out.parent / "credit_assignment.png")
-    lines += ["", "Values: mean ± standard deviation over seeds; steps to threshold per seed.",
-              "", "![tool success during RL](credit_assignment.png)", ""]
+        lines.append(f"| {ARMS[arm][0]} | " + " | ".join(
+            cell([per_run[(arm, s)][k] - per_run[("grpo", s)][k] for s in paired])
+            for k in METRICS) + " |")
+    plot(args, [arm for arm in args.arms if any((arm, s) in results for s in seeds)], seeds,
+         args.out.with_suffix(".png"))
+    lines += ["", f"![batch tool success and accuracy during RL]({args.out.with_suffix('.png').name})", ""]
     return "\n".join(lines)
 
 
-def plot(curves: dict[str, list[list[float | None]]], out: Path) -> None:
+def plot(args: argparse.Namespace, arms: list[str], seeds: list[int], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for arm, runs in curves.items():
-        n = min(len(r) for r in runs)
-        mean = [statistics.mean(r[i] or 0.0 for r in runs) for i in range(n)]
-        ax.plot(range(1, n + 1), mean, label=ARMS[arm][0])
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("tool success in the batch (mean over seeds)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for ax, key, label in zip(axes, ["env/tool_success", "env/correct"],
+                              ["tool success", "answer accuracy"]):
+        for arm in arms:
+            runs = [[m.get(key, 0.0) for m in read_metrics(args.runs_dir / f"{arm}-seed{s}")]
+                    for s in seeds if (args.runs_dir / f"{arm}-seed{s}" / "summary.json").exists()]
+            n = min(len(r) for r in runs)
+            mean = [statistics.mean(r[i] for r in runs) for i in range(n)]
+            smooth = [statistics.mean(mean[max(0, i - 4):i + 1]) for i in range(n)]
+            ax.plot(range(1, n + 1), smooth, label=ARMS[arm][0])
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel(f"batch {label} (mean over seeds, 5-step average)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -171,13 +183,11 @@ def plot(curves: dict[str, list[list[float | None]]], out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "credit_assignment.yaml")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--warm-start-steps", type=int, default=120)
-    parser.add_argument("--eval-items", type=int, default=128)
-    parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--steps", type=int, default=None,
+                        help="RL steps per run (default: the config's; for smoke runs)")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "credit_assignment")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "credit_assignment.md",
                         help="the report (copy what you want to keep into docs/results.md)")
@@ -203,6 +213,9 @@ def main() -> int:
                 except RunFailed as error:
                     print(f"run {arm} seed {seed} failed: {error}", file=sys.stderr)
                     return 1
+    if not results:
+        print("no finished runs", file=sys.stderr)
+        return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     minutes = sum(r.get("seconds", 0.0) for r in results.values()) / 60
     args.out.write_text(report(args, results, command.replace(" --report-only", "").strip(),

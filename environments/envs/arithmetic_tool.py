@@ -17,13 +17,19 @@ outcome). Each turn earns what it did right, not its format:
   nothing else but whitespace, 0.8 for the right N inside other text, 0.1 for a wrong
   number in the tags, 0.0 otherwise (no tags, or a truncated episode).
 
-Difficulty: ``n_operands`` numbers in ``[0, max_operand]`` joined by ``operators``.
+Difficulty: ``n_operands`` numbers in ``[0, max_operand]`` joined by ``operators``. With
+``easy_fraction`` > 0 that share of items is easy instead: ``a + b`` with both in
+``[0, easy_max_operand]``, a sum small enough to learn by heart, so the outcome can be
+earned without the tool. ``oracle_direct_fraction`` makes that share of the easy items'
+demonstrations answer at once, without the calculator (a warm start that sometimes skips
+the tool). A direct answer is one turn: its only reward is the outcome.
 """
 
 from __future__ import annotations
 
 import ast
 import operator
+import zlib
 import re
 from typing import Any
 
@@ -87,6 +93,11 @@ class ArithmeticToolConfig(EnvConfig):
     max_operand: int = Field(default=99, ge=1)
     """Operands are drawn from [0, max_operand]."""
     operators: list[str] = Field(default_factory=lambda: ["+", "-", "*"])
+    easy_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of items that are easy: ``a + b`` with ``a, b`` in ``[0, easy_max_operand]``."""
+    easy_max_operand: int = Field(default=9, ge=1)
+    oracle_direct_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of the easy items whose demonstration answers directly, without the tool."""
 
 
 class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
@@ -103,15 +114,21 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
 
     def make_item(self, index: int, rng) -> dict[str, Any]:
         c = self.config
-        terms = [str(rng.randint(0, c.max_operand)) for _ in range(c.n_operands)]
-        expression = terms[0]
-        for term in terms[1:]:
-            op = rng.choice(c.operators)
-            if op in ("//", "%") and term == "0":
-                term = "1"
-            expression += f" {op} {term}"
+        # No draw when there are no easy items: the item stream of older configs is unchanged.
+        easy = c.easy_fraction > 0 and rng.random() < c.easy_fraction
+        if easy:
+            expression = f"{rng.randint(0, c.easy_max_operand)} + {rng.randint(0, c.easy_max_operand)}"
+        else:
+            terms = [str(rng.randint(0, c.max_operand)) for _ in range(c.n_operands)]
+            expression = terms[0]
+            for term in terms[1:]:
+                op = rng.choice(c.operators)
+                if op in ("//", "%") and term == "0":
+                    term = "1"
+                expression += f" {op} {term}"
         return {"id": f"arith-{c.seed}-{index}", "question": f"What is {expression}?",
-                "expression": expression, "answer": evaluate_expression(expression)}
+                "expression": expression, "answer": evaluate_expression(expression),
+                "easy": easy}
 
     async def get_next_item(self) -> dict[str, Any]:
         item = self.make_item(self._items_made, self.rng)
@@ -132,14 +149,21 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
                 {"role": "user", "content": item["question"]}]
 
     def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        """A correct demonstration (for SFT warm starts), in the format the loop produces."""
+        """A correct demonstration (for SFT warm starts), in the format the loop produces:
+        the calculator call, its result and the answer, or, for the share
+        ``oracle_direct_fraction`` of easy items (chosen by a hash of the item id), the
+        answer at once."""
+        answer = {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}
+        if item.get("easy") and (zlib.crc32(item["id"].encode()) / 2**32
+                                 < self.config.oracle_direct_fraction):
+            return [*self.prompt_messages(item), answer]
         call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
                 + item["expression"] + '"}}\n</tool_call>')
         return [*self.prompt_messages(item),
                 {"role": "assistant", "content": call},
                 {"role": "tool", "name": "calculator", "tool_call_id": "call_0",
                  "content": str(item["answer"])},
-                {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}]
+                answer]
 
     @staticmethod
     def outcome_score(text: str, answer: int) -> float:
@@ -165,7 +189,8 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
         """``tool_success``: the episode called the calculator and every call executed;
         ``right_expression``: a turn made the right call (:meth:`right_call`);
         ``correct``: the final answer holds the right number (outcome >= 0.8);
-        ``exact_match``: it is exactly ``<answer>N</answer>`` (outcome 1.0)."""
+        ``exact_match``: it is exactly ``<answer>N</answer>`` (outcome 1.0);
+        ``direct_answer``: the episode answered without calling any tool."""
         calls = sum(len(t.tool_calls) for t in rollout.turns)
         outcome = scores[-1] if isinstance(scores, list) else scores
         return {
@@ -174,6 +199,7 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
                                           for t in rollout.turns[:-1])),
             "correct": float(outcome >= 0.8),
             "exact_match": float(outcome == 1.0),
+            "direct_answer": float(calls == 0 and outcome > 0.0),
         }
 
     def compute_turn_rewards(self, item: dict[str, Any], rollout: Rollout) -> list[float]:
