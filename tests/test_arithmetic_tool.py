@@ -81,3 +81,24 @@ def test_oracle_demonstration_parses_and_earns_full_reward():
         turn(messages[2]["content"], parsed.calls, results=[messages[3]["content"]]),
         turn(messages[4]["content"])])
     assert env.compute_turn_rewards(ITEM, rollout) == [1.0, 1.0]
+
+
+def test_easy_items_can_be_answered_without_the_tool():
+    """The credit-assignment setting: a share of easy sums, and demonstrations that answer
+    a share of them directly, earning the outcome alone."""
+    env = ArithmeticToolEnv(ArithmeticToolConfig(seed=3, easy_fraction=0.5,
+                                                 oracle_direct_fraction=0.5))
+    items = [asyncio.run(env.get_next_item()) for _ in range(400)]
+    easy = [i for i in items if i["easy"]]
+    assert 150 < len(easy) < 250
+    for item in easy:
+        a, b = (int(t) for t in item["expression"].split(" + "))
+        assert 0 <= a <= 9 and 0 <= b <= 9 and item["answer"] == a + b
+    direct = [i for i in items if len(env.oracle_messages(i)) == 3]
+    assert all(i["easy"] for i in direct) and 0.35 < len(direct) / len(easy) < 0.65
+    messages = env.oracle_messages(direct[0])
+    assert messages[-1] == {"role": "assistant", "content": f"<answer>{direct[0]['answer']}</answer>"}
+    rollout = Rollout(messages=messages, tools=None, stop="answer",
+                      turns=[turn(messages[-1]["content"])])
+    assert env.compute_turn_rewards(direct[0], rollout) == [1.0]
+    assert env.rollout_metrics(direct[0], rollout, [1.0])["direct_answer"] == 1.0
