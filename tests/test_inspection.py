@@ -178,6 +178,14 @@ def test_inspect_cli_shows_turns_scores_flags_and_names_bad_lines(tmp_path, caps
         assert f"{path}:{line_no}: " in err and message in err
     assert "3 bad lines skipped" in err
 
+    # a file of many bad lines lists the first 20 and counts the rest
+    many = tmp_path / "many.jsonl"
+    many.write_text(sample_groups()[0].model_dump_json() + "\n" + "{\n" * 25)
+    assert main(["inspect", str(many)]) == 0
+    _, err = capsys.readouterr()
+    assert err.count("malformed JSON") == 20 and "... and 5 more bad lines" in err
+    assert "25 bad lines skipped" in err
+
     assert main(["inspect", str(path), "--flag", "tool-errors"]) == 0
     out, _ = capsys.readouterr()
     assert "trajectory 1 · outcome 0 · 1 tool error" in out

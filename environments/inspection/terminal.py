@@ -222,10 +222,17 @@ def stats_tables(stats: Stats, path: Path, report: ReadReport, filter: Filter) -
     return tables
 
 
+MAX_BAD_LINES_SHOWN = 20
+"""A file of thousands of bad lines lists the first ones and counts the rest."""
+
+
 def report_bad_lines(console: Console, path: Path, report: ReadReport) -> None:
-    for bad in report.bad_lines:
+    for bad in report.bad_lines[:MAX_BAD_LINES_SHOWN]:
         console.print(f"{bad.path or path}:{bad.line_no}: {bad.message} (skipped)",
                       markup=False, highlight=False, soft_wrap=True)
+    if len(report.bad_lines) > MAX_BAD_LINES_SHOWN:
+        console.print(f"... and {len(report.bad_lines) - MAX_BAD_LINES_SHOWN} more bad lines "
+                      "(the HTML report lists more)", highlight=False, soft_wrap=True)
     if report.bad_lines:
         console.print(f"{len(report.bad_lines)} bad line{'s' * (len(report.bad_lines) > 1)} "
                       f"skipped in {path}", style="bold red", highlight=False,
