@@ -71,7 +71,8 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
 def base_config(args: argparse.Namespace) -> dict[str, Any]:
     config = yaml.safe_load(args.config.read_text())
     config["runs_dir"] = str(args.runs_dir)
-    config["model"] = str(args.runs_dir / "tiny-model")
+    if config.get("build_tiny_model"):  # built once, under this experiment's runs
+        config["model"] = str(args.runs_dir / "tiny-model")
     if args.steps:
         config["train"].update(steps=args.steps, checkpoint_every=args.steps)
     return config
@@ -188,12 +189,17 @@ def main() -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=None,
                         help="RL steps per run (default: the config's; for smoke runs)")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "credit_assignment")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "credit_assignment.md",
-                        help="the report (copy what you want to keep into docs/results.md)")
+    parser.add_argument("--runs-dir", type=Path, default=None,
+                        help="default: the config's runs_dir")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the report (default: RUNS_DIR.md; copy what you want to keep "
+                        "into docs/results.md)")
     parser.add_argument("--report-only", action="store_true",
                         help="write the report from the runs that finished; start none")
     args = parser.parse_args()
+    if args.runs_dir is None:
+        args.runs_dir = REPO / yaml.safe_load(args.config.read_text())["runs_dir"]
+    args.out = args.out or args.runs_dir.with_suffix(".md")
     command = "python experiments/credit_assignment.py " + shlex.join(sys.argv[1:])
     results = {}
     if args.report_only:
