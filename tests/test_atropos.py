@@ -21,7 +21,7 @@ from pathlib import Path
 
 import requests
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, run
 
 ATROPOS_ENV = '''
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
@@ -163,7 +163,7 @@ def test_unchanged_atropos_env_serves_to_lachesis_api_and_lachesis_train_trains_
         stop(*(p for p in (env, trainer, bridge) if p is not None))
         restore_weights(vllm_server, tmp_path)
 
-    summary = json.loads(out)
+    summary = json.loads(out[out.index("\n{") + 1:])  # after the per-step lines
     assert summary["last_step"] == 2
     # The Atropos env's tokens and logprobs are exactly what the trainer's model computes.
     assert summary["alignment_mean_abs_diff"] < 1e-3, summary
@@ -221,3 +221,51 @@ def test_atropos_example_trainer_trains_on_groups_from_lachesis_env_serve(
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     status = requests.get(api.url + "/status", timeout=5).json()
     assert status["queue_size"] == 0 and status["counters"]["served_groups"] == 2
+
+
+def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_model_dir):
+    """atroposlib's default ``collect_trajectories`` gathers ``ScoredDataItem`` dicts into
+    a group with ``[]`` for every optional list no item had; its ``handle_send_to_api``
+    posts that (gzipped). Lachesis stores those keys as null, and the group trains."""
+    from atroposlib.envs.base import BaseEnv, BaseEnvConfig, ScoredDataItem, ServerBaseline
+
+    from conftest import running_api
+
+    from environments.api.client import RolloutAPIClient
+
+    class ItemsEnv(BaseEnv):
+        async def setup(self):
+            pass
+
+        async def evaluate(self, *args, **kwargs):
+            pass
+
+        async def get_next_item(self):
+            return 0
+
+        async def collect_trajectory(self, item):
+            self.n = getattr(self, "n", 0) + 1
+            tokens = [5, 6, 7 + self.n] * 200  # over 1 KB as JSON: atroposlib gzips it
+            return ScoredDataItem(tokens=tokens, masks=[-100] + tokens[1:],
+                                  scores=float(self.n)), []
+
+    async def scenario():
+        async with running_api() as (url, _api):
+            config = BaseEnvConfig(tokenizer_name=str(tiny_model_dir), use_wandb=False,
+                                   wandb_name="items", group_size=2, rollout_server_url=url)
+            env = ItemsEnv(config, ServerBaseline(), testing=True)  # no inference needed
+            await env.register_env()
+            env.max_token_len = 4096
+            group, _ = await env.collect_trajectories(0)
+            assert group["advantages"] == [] and group["messages"] == []
+            await env.handle_send_to_api(group)
+            async with RolloutAPIClient(url) as client:
+                await client.register_trainer(batch_size=2, max_token_len=4096)
+                return await client.lease()
+
+    batch = run(scenario())
+    assert batch is not None and not batch.rejected
+    [group] = batch.groups
+    assert [t.scores for t in group.trajectories] == [1.0, 2.0]
+    assert all(t.advantages is None and t.messages is None for t in group.trajectories)
+    assert group.env_id == 0
