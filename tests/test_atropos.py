@@ -223,10 +223,13 @@ def test_atropos_example_trainer_trains_on_groups_from_lachesis_env_serve(
     assert status["queue_size"] == 0 and status["counters"]["served_groups"] == 2
 
 
-def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_model_dir):
+def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_model_dir,
+                                                                           tmp_path):
     """atroposlib's default ``collect_trajectories`` gathers ``ScoredDataItem`` dicts into
     a group with ``[]`` for every optional list no item had; its ``handle_send_to_api``
-    posts that (gzipped). Lachesis stores those keys as null, and the group trains."""
+    posts that (gzipped) and writes it to its JSONL. Lachesis stores those keys as null,
+    the group trains, and Lachesis reads the JSONL."""
+    from environments.jsonl_store import read_groups
     from atroposlib.envs.base import BaseEnv, BaseEnvConfig, ScoredDataItem, ServerBaseline
 
     from conftest import running_api
@@ -252,13 +255,15 @@ def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_
     async def scenario():
         async with running_api() as (url, _api):
             config = BaseEnvConfig(tokenizer_name=str(tiny_model_dir), use_wandb=False,
-                                   wandb_name="items", group_size=2, rollout_server_url=url)
+                                   wandb_name="items", group_size=2, rollout_server_url=url,
+                                   data_path_to_save_groups=str(tmp_path / "groups.jsonl"))
             env = ItemsEnv(config, ServerBaseline(), testing=True)  # no inference needed
             await env.register_env()
             env.max_token_len = 4096
             group, _ = await env.collect_trajectories(0)
             assert group["advantages"] == [] and group["messages"] == []
             await env.handle_send_to_api(group)
+            env.jsonl_writer.close()
             async with RolloutAPIClient(url) as client:
                 await client.register_trainer(batch_size=2, max_token_len=4096)
                 return await client.lease()
@@ -269,3 +274,5 @@ def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_
     assert [t.scores for t in group.trajectories] == [1.0, 2.0]
     assert all(t.advantages is None and t.messages is None for t in group.trajectories)
     assert group.env_id == 0
+    [written] = read_groups(tmp_path / "groups.jsonl")
+    assert [t.tokens for t in written.trajectories] == [t.tokens for t in group.trajectories]
