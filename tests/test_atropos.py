@@ -262,6 +262,9 @@ def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_
             env.max_token_len = 4096
             group, _ = await env.collect_trajectories(0)
             assert group["advantages"] == [] and group["messages"] == []
+            # Per-turn scores ride in Lachesis's extension keys, sent as they are.
+            group["turn_scores"] = [[0.5, s] for s in group["scores"]]
+            group["turn_spans"] = [[[1, 300], [300, 600]]] * 2
             await env.handle_send_to_api(group)
             env.jsonl_writer.close()
             async with RolloutAPIClient(url) as client:
@@ -271,7 +274,7 @@ def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_
     batch = run(scenario())
     assert batch is not None and not batch.rejected
     [group] = batch.groups
-    assert [t.scores for t in group.trajectories] == [1.0, 2.0]
+    assert [t.scores for t in group.trajectories] == [[0.5, 1.0], [0.5, 2.0]]
     assert all(t.advantages is None and t.messages is None for t in group.trajectories)
     assert group.env_id == 0
     [written] = read_groups(tmp_path / "groups.jsonl")
