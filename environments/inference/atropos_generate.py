@@ -9,7 +9,9 @@ unchanged Atropos env that route on top of the vLLM servers Lachesis runs:
 * ``POST /generate`` ``{"prompt": {"prompt_token_ids": [...]}, "n": N, "max_tokens": M,
   "logprobs": 0, <other sampling params>}`` samples ``N`` continuations of those exact
   token ids through :class:`~environments.inference.vllm_client.VLLMServerPool`
-  (``/v1/completions`` with ``return_token_ids``) and answers as Atropos's server does:
+  (``N`` requests to ``/v1/completions`` with ``return_token_ids``, routed and retried
+  by the pool; a ``seed`` thus gives ``N`` equal samples) and answers as Atropos's
+  server does:
   ``{"logprobs": [[[{"<id>": logprob}], ...] per completion], "finish_reasons": [...],
   "token_ids": [...], "prompt_token_ids": [...]}``.
 * ``GET /health``: 200 while a vLLM server is healthy.
@@ -83,9 +85,8 @@ async def handle_generate(request: web.Request) -> web.Response:
     try:
         completions = await asyncio.gather(*(
             pool.complete(ids, max_tokens=max_tokens, sampling=sampling) for _ in range(n)))
-    except InferenceError as error:
-        status = 400 if "refused the request" in str(error) else 502
-        return web.json_response({"error": str(error)}, status=status)
+    except InferenceError as error:  # vLLM refused it, or every retry failed: it says which
+        return web.json_response({"error": str(error)}, status=502)
     return web.json_response({
         "logprobs": [[[{str(t): lp}] for t, lp in zip(c.token_ids, c.logprobs)]
                      for c in completions],
