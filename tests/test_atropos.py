@@ -91,8 +91,12 @@ class LetterETurnsEnv(TurnLevelRewardMixin, BaseEnv):
 '''
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
+def start(command: list[str], log: Path, stdout=None) -> subprocess.Popen:
+    """Start ``command``; its stderr (and stdout, unless given) go to ``log``."""
+    proc = subprocess.Popen(command, cwd=REPO, stdout=stdout or log.open("w"),
+                            stderr=log.open("w") if stdout else subprocess.STDOUT)
+    proc.log = log
+    return proc
 
 
 def wait_for(predicate, what: str, timeout: float, procs: list[subprocess.Popen] = ()) -> None:
@@ -100,7 +104,8 @@ def wait_for(predicate, what: str, timeout: float, procs: list[subprocess.Popen]
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise AssertionError(f"{what}: {p.args[:4]} exited with {p.returncode}")
+                raise AssertionError(f"{what}: {p.args[:4]} exited with {p.returncode}:\n"
+                                     + p.log.read_text()[-3000:])
         try:
             if predicate():
                 return
@@ -142,12 +147,12 @@ def test_unchanged_atropos_env_serves_to_lachesis_api_and_lachesis_train_trains_
         wait_for(lambda: requests.get(f"http://127.0.0.1:{generate_port}/health",
                                       timeout=2).ok, "atropos-generate", 60, [bridge])
         # Atropos envs read the batch size from /info once, at start: the trainer first.
-        trainer = subprocess.Popen(
+        trainer = start(
             [sys.executable, "-m", "lachesis.cli", "train", "--model", str(vllm_server.model_dir),
              "--api-url", api.url, "--batch-size", "8", "--micro-batch-size", "4",
              "--steps", "2", "--lr", "1e-3", "--tensorboard", "false",
              "--vllm-urls", vllm_server.url, "--run-dir", str(tmp_path / "run")],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=(tmp_path / "train.log").open("w"), text=True)
+            tmp_path / "train.log", stdout=(tmp_path / "train.out").open("w"))
         wait_for(lambda: requests.get(api.url + "/status", timeout=2).json()["trainer_registered"],
                  "lachesis train to register", 120, [trainer])
         env = start([sys.executable, str(env_file), "serve",
@@ -156,13 +161,14 @@ def test_unchanged_atropos_env_serves_to_lachesis_api_and_lachesis_train_trains_
                      "--openai.tokenizer_name", str(vllm_server.model_dir),
                      "--openai.base_url", f"http://127.0.0.1:{generate_port}/v1"],
                     tmp_path / "env.log")
-        out, _ = trainer.communicate(timeout=420)
+        wait_for(lambda: trainer.poll() is not None, "lachesis train's 2 steps", 420, [env])
         assert trainer.returncode == 0, (tmp_path / "train.log").read_text()[-3000:]
         status = requests.get(api.url + "/status", timeout=5).json()
     finally:
         stop(*(p for p in (env, trainer, bridge) if p is not None))
         restore_weights(vllm_server, tmp_path)
 
+    out = (tmp_path / "train.out").read_text()
     summary = json.loads(out[out.index("\n{") + 1:])  # after the per-step lines
     assert summary["last_step"] == 2
     # The Atropos env's tokens and logprobs are exactly what the trainer's model computes.
