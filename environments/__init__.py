@@ -17,6 +17,8 @@ from environments.rollout import AssistantTurn, Rollout, RolloutState
 from environments.trajectory import (
     Message,
     ScoredData,
+    ScoredDataGroup,
+    ScoredDataItem,
     ScoredGroup,
     ScoredTrajectory,
     ToolCall,
@@ -34,6 +36,8 @@ __all__ = [
     "Rollout",
     "RolloutState",
     "ScoredData",
+    "ScoredDataGroup",
+    "ScoredDataItem",
     "ScoredGroup",
     "ScoredTrajectory",
     "Tool",

@@ -506,6 +506,14 @@ class ScoredData(BaseModel):
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_none(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k) == [] for k in EMPTY_MEANS_NONE):
+            data = {k: None if k in EMPTY_MEANS_NONE and v == [] else v
+                    for k, v in data.items()}
+        return data
+
     tokens: list[list[int]] = Field(min_length=1)
     masks: list[list[int]]
     scores: list[float]
@@ -559,6 +567,23 @@ class ScoredData(BaseModel):
         except TrajectoryError as error:
             raise _custom_error(error) from None
         return self
+
+
+EMPTY_MEANS_NONE = ("advantages", "ref_logprobs", "messages", "inference_logprobs",
+                    "overrides", "images")
+"""Per-sequence lists of :class:`ScoredData` where an empty list means "none": atroposlib's
+default ``BaseEnv.collect_trajectories`` sends ``[]`` for each of them that no
+``ScoredDataItem`` of the group had (Atropos stores and serves that as is)."""
+
+ScoredDataItem = ScoredTrajectory
+"""Atropos's name for one scored trajectory. Unlike Atropos's, ``scores`` may be a list
+with one score per assistant turn (the last is the outcome), with ``turn_spans``."""
+
+ScoredDataGroup = ScoredData
+"""Atropos's name for one scored group in parallel-list form (``tokens``, ``masks``,
+``scores``... one entry per sequence); per-turn scores ride in ``turn_scores``.
+``ScoredGroup(trajectories=[ScoredDataItem(...), ...]).to_scored_data()`` builds one
+from items, ``ScoredGroup.from_scored_data`` goes back."""
 
 
 FREE_FORM_FIELDS = ("generation_params", "overrides", "group_overrides", "images",

@@ -47,6 +47,32 @@ def _run_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_atropos_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "atropos-generate", help="serve Atropos's /generate route over vLLM servers "
+        "(for atroposlib envs with --openai.server_type vllm)",
+        description="Give unchanged atroposlib envs the /generate route (exact tokens and "
+        "logprobs) that their 'vllm' server type calls, on top of plain vLLM OpenAI "
+        "servers; /health and /v1/... pass through. Point the env at "
+        "--openai.base_url http://HOST:PORT/v1.")
+    p.add_argument("--vllm-url", action="append", required=True,
+                   help="a vLLM server, e.g. http://127.0.0.1:9000 (repeat for several)")
+    p.add_argument("--model", help="served model name (default: the first one vLLM lists)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001)
+    p.set_defaults(run=_run_atropos_generate)
+
+
+def _run_atropos_generate(args: argparse.Namespace) -> int:
+    import logging
+
+    from environments.inference.atropos_generate import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    serve(args.vllm_url, host=args.host, port=args.port, model=args.model)
+    return 0
+
+
 def _config_flags(parser: argparse.ArgumentParser, config_class) -> list[str]:
     """One ``--flag`` per config field; values are parsed as YAML (``4``, ``true``, ``[a, b]``);
     a list field also takes ``a,b``."""
@@ -448,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers.add_parser("env", help="run an environment: serve (to the API), process (to "
                           "JSONL), evaluate (lachesis env --help)", add_help=False)
     _add_make_tiny_model(subparsers)
+    _add_atropos_generate(subparsers)
     _add_run(subparsers)
     _add_inspect(subparsers)
     _add_report(subparsers)

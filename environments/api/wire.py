@@ -16,7 +16,9 @@ full, and the shape rules are the very same :func:`check_parallel_lists` that
 when ``ScoredData.model_validate_json`` accepts it (tests hold the two side by side).
 The accepted body is stored as received and served to trainers byte for byte, except
 that the Atropos keys it leaves out are added as ``null`` (Atropos trainers index every
-key, e.g. ``item["overrides"]``), and a ``group_id`` is added when it has none.
+key, e.g. ``item["overrides"]``), a ``group_id`` is added when it has none, and the
+per-sequence lists that atroposlib sends empty to mean "none" (``advantages: []``...)
+are stored as ``null``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+import orjson
 from msgspec import UNSET, UnsetType
 from pydantic import TypeAdapter, ValidationError
 
 from environments.trajectory import (
+    EMPTY_MEANS_NONE,
     FREE_FORM_FIELDS,
     MAX_INT,
     Message,
@@ -224,6 +228,9 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
         raise WireError(where + too_deep(bytes(body)), "JSON nested too deeply") from None
     present = {name: value for name in _GROUP_FIELDS
                if (value := getattr(group, name)) is not UNSET}
+    empty = [name for name in EMPTY_MEANS_NONE if present.get(name) == []]
+    for name in empty:  # atroposlib's default collect_trajectories sends [] for "none"
+        present[name] = None
 
     if not group.tokens:
         raise WireError(where + "tokens", "must hold at least one sequence")
@@ -267,6 +274,8 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
         raise WireError(where + error.field, error.message) from None
 
     data = bytes(body).strip()
+    if empty:  # stored as null, so the trainers' models read the group (a rare, slow path)
+        data = orjson.dumps({**orjson.loads(data), **dict.fromkeys(empty)})
     head = b"".join(b'"' + name.encode() + b'":null,' for name in ATROPOS_OPTIONAL_KEYS
                     if name not in present)
     group_id = group.group_id
