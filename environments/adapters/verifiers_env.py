@@ -119,6 +119,10 @@ class VerifiersEnv(BaseEnv):
     # -- items ---------------------------------------------------------------------------
     async def setup(self) -> None:
         taskset = self.vf_env.taskset
+        first = next(iter(taskset.take(1)), None)
+        if first is None:
+            raise ValueError(f"verifiers taskset {self.config.taskset_id!r} has no tasks")
+        self._check(first)  # a taskset yields one task type: refuse it before any rollout
         for toolset in type(taskset).toolsets(taskset.config):
             self._shared_tools += await self._shared_stack.enter_async_context(
                 self._served(toolset, task=None, trace=None))
@@ -283,7 +287,7 @@ class VerifiersEnv(BaseEnv):
                 calls = [vf.ToolCall(id=c["id"], name=c["function"]["name"],
                                      arguments=c["function"]["arguments"])
                          for c in message.get("tool_calls") or []]
-                text = self.parser.parse(message["content"] or "").text if calls \
+                text = self.parser.parse(message["content"] or "").content if calls \
                     else (message["content"] or "").strip()
                 out.append((vf.AssistantMessage(content=text, tool_calls=calls or None), True))
             elif role == "tool":
