@@ -229,3 +229,22 @@ def test_an_unreachable_openenv_server_is_a_clear_error(vllm_server):
 
     with pytest.raises(OpenEnvError, match="cannot read the action schema at http://127.0.0.1"):
         asyncio.run(start())
+
+
+# -- names ---------------------------------------------------------------------------------
+
+def test_other_frameworks_env_names_resolve_or_say_what_is_wrong():
+    import importlib.util
+
+    from environments.framework.registry import EnvNotFoundError, load_env_class
+
+    cls = load_env_class("openenv:http://127.0.0.1:8000/")
+    assert cls.name == "openenv-127.0.0.1_8000"
+    assert cls.config_class().url == "http://127.0.0.1:8000/"
+    with pytest.raises(EnvNotFoundError, match="needs the server's http"):
+        load_env_class("openenv:127.0.0.1:8000")
+    with pytest.raises(EnvNotFoundError, match="needs the taskset id"):
+        load_env_class("verifiers:")
+    if importlib.util.find_spec("verifiers") is None:  # the project's venv: not installed
+        with pytest.raises(EnvNotFoundError, match=r"pip install 'lachesis-rl\[verifiers\]'"):
+            load_env_class("verifiers:vf_add")

@@ -24,10 +24,13 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("LACHESIS_CACHE", Path.home() / ".cache" / "lachesis"))
 
 
-def core_requirements() -> list[str]:
-    """The project's own dependencies (pyproject ``[project] dependencies``)."""
+def requirements(extra: str | None = None) -> list[str]:
+    """The project's own dependencies (pyproject ``[project] dependencies``), or those of
+    one of its extras."""
     with open(REPO / "pyproject.toml", "rb") as f:
-        return list(tomllib.load(f)["project"]["dependencies"])
+        project = tomllib.load(f)["project"]
+    return list(project["dependencies"] if extra is None
+                else project["optional-dependencies"][extra])
 
 
 def third_party_venv(name: str, requirements: list[str], timeout_s: float = 1200) -> Path:
@@ -54,13 +57,14 @@ def third_party_venv(name: str, requirements: list[str], timeout_s: float = 1200
 
 
 def verifiers_python() -> Path:
-    """A venv with verifiers 0.4.0 and what a ``lachesis env`` process needs (the core
-    dependencies and the same transformers as here, for the tokenizer)."""
-    return third_party_venv("verifiers", ["verifiers==0.4.0",
-                                          f"transformers=={version('transformers')}",
-                                          *core_requirements()])
+    """A venv for a ``lachesis env`` process with the ``verifiers`` extra (verifiers 0.4.0,
+    transformers at the version used here) and the project's own dependencies."""
+    pinned = [f"transformers=={version('transformers')}" if r == "transformers" else r
+              for r in requirements("verifiers")]
+    return third_party_venv("verifiers", [*pinned, *requirements()])
 
 
 def openenv_python() -> Path:
-    """A venv with openenv-core 0.3.0 (and uvicorn, which it brings), to run servers."""
-    return third_party_venv("openenv", ["openenv-core==0.3.0"])
+    """A venv with the ``openenv`` extra (openenv-core 0.3.0, which brings uvicorn), to run
+    OpenEnv servers."""
+    return third_party_venv("openenv", requirements("openenv"))
