@@ -19,7 +19,8 @@ An episode, run by Lachesis's token-in/token-out agent loop:
   error;
 * the reward of the steps a turn made is that turn's score (``None`` counts 0; a turn
   without a valid call made no step and scores 0); the last turn's score is the outcome;
-* ``done`` ends the episode (``stop: done``); so do ``max_turns`` and the token budget.
+* ``done`` ends the episode (``stop: done``); so do ``max_turns`` and the token budget (a
+  step the last turn took counts for it even when its result no longer fits).
 
 A server at capacity (openenv's ``CAPACITY_REACHED``: ``create_app`` allows one session
 unless ``max_concurrent_envs`` says more) is asked again every ``capacity_wait_s`` until
