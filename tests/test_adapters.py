@@ -26,6 +26,7 @@ from third_party import openenv_python, verifiers_python
 
 from environments.adapters.openenv_env import OpenEnvConfig, OpenEnvEnv, OpenEnvError
 from environments.api.client import RolloutAPIClient
+from environments.jsonl_store import read_groups
 from trainer.advantages import from_scored
 
 ADAPTER_ENVS = REPO / "tests" / "adapter_envs"
@@ -235,6 +236,45 @@ def test_an_unreachable_openenv_server_is_a_clear_error(vllm_server):
 
     with pytest.raises(OpenEnvError, match="cannot read the action schema at http://127.0.0.1"):
         asyncio.run(start())
+
+
+# -- exact tokens ----------------------------------------------------------------------------
+
+def test_both_adapters_keep_the_exact_sampled_tokens(vllm_server, verifiers_env_process,
+                                                     openenv_server, tmp_path):
+    """``lachesis train --check`` recomputes every sampled token's logprob: it matches
+    vLLM's only if tokens and masks are exactly what the model saw. No structured outputs
+    here: under a grammar vLLM reports the constrained distribution's logprobs (~5.5 nats
+    off on the tiny model). A logit bias (vLLM's logprobs are from before it) makes the
+    random model open tool calls, malformed ones, which go back to it as tool errors, and
+    end its turns: episodes of several turns, tool-result tokens between them."""
+    from transformers import AutoTokenizer
+
+    python, env = verifiers_env_process
+    out = tmp_path / "both.jsonl"
+    tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+    bias = {str(tokenizer.convert_tokens_to_ids(token)): 5 for token in ("<tool_call>", "<|im_end|>")}
+    for command, environ in (
+            ([python, "-m", "lachesis.cli", "env", "process", "verifiers:vf_add"], env),
+            ([sys.executable, "-m", "lachesis.cli", "env", "process",
+              f"openenv:{openenv_server}"], dict(os.environ))):
+        done = subprocess.run(
+            [*command, "--out", str(out), "--groups", "1",
+             *flags(vllm_server, group_size=3, max_turns=3, max_tokens_per_turn=60,
+                    keep_equal_score_groups=True,
+                    sampling_extra={"logit_bias": bias})],
+            cwd=REPO, env=environ, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    groups = list(read_groups(out))
+    assert [g.env.split("-")[0] for g in groups] == ["verifiers", "openenv"]
+    assert max(len(t.turn_spans) for g in groups for t in g.trajectories) >= 2
+    check = subprocess.run(
+        [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
+         str(vllm_server.model_dir), "--data", str(out), "--batch-size", "3",
+         "--run-dir", str(tmp_path / "check"), "--tensorboard", "false",
+         "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert json.loads(check.stdout)["alignment_mean_abs_diff"] < 1e-3
 
 
 # -- names ---------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ Each step rewards the guess: 1.0 when right (and the episode is done), else
 
 import os
 import random
-from typing import Optional
 
 from openenv.core.env_server import Environment, create_app
 from openenv.core.env_server.types import Action, Observation, State
@@ -34,7 +33,7 @@ class GuessEnv(Environment):
         self._state = State()
         self._target = 5
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None,
+    def reset(self, seed: int | None = None, episode_id: str | None = None,
               **kwargs) -> GuessObservation:
         self._target = random.Random(seed).randint(1, 9)
         self._state = State(episode_id=episode_id, step_count=0)
