@@ -298,8 +298,8 @@ def openenv_env_class(url: str) -> type[OpenEnvEnv]:
     name (the groups' ``env``) is ``openenv-HOST_PORT``."""
     parts = urlsplit(url)
     label = re.sub(r"[^A-Za-z0-9._-]+", "_", (parts.netloc + parts.path).strip("/")) or "server"
-    config_class = create_model("OpenEnvConfig", __base__=OpenEnvConfig,
-                                url=(str, url))
+    config_class = create_model("OpenEnvConfig", __base__=OpenEnvConfig, url=(str, Field(
+        default=url, description=OpenEnvConfig.model_fields["url"].description)))
     return type("OpenEnvEnv", (OpenEnvEnv,), {
         "name": f"openenv-{label}", "config_class": config_class,
         "__module__": __name__})

@@ -351,7 +351,8 @@ def verifiers_env_class(taskset_id: str) -> type[VerifiersEnv]:
 
     taskset_class(taskset_id)
     config_class = create_model("VerifiersEnvConfig", __base__=VerifiersEnvConfig,
-                                taskset_id=(str, taskset_id))
+                                taskset_id=(str, Field(default=taskset_id, description=(
+                                    VerifiersEnvConfig.model_fields["taskset_id"].description))))
     return type("VerifiersEnv", (VerifiersEnv,), {
         "name": f"verifiers-{taskset_id}", "config_class": config_class,
         "__module__": __name__})
