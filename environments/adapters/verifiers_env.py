@@ -184,7 +184,15 @@ class VerifiersEnv(BaseEnv):
         if isinstance(data.prompt, str):
             messages.append({"role": "user", "content": data.prompt})
         else:
-            messages += [m.model_dump(exclude_none=True) for m in data.prompt]
+            for message in data.prompt:
+                message = message.model_dump(exclude_none=True)
+                content = message.get("content")
+                if isinstance(content, list):
+                    if any(part.get("type") != "text" for part in content):
+                        raise ValueError(f"task {self.item_id(item)}: its prompt has image "
+                                         "parts; only text runs in Lachesis so far")
+                    message["content"] = _message_text(content)
+                messages.append(message)
         return messages
 
     # -- tools ---------------------------------------------------------------------------
