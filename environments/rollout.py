@@ -89,7 +89,8 @@ class Rollout:
     turns: list[AssistantTurn] = field(default_factory=list)
     truncated: bool = False
     stop: str = ""
-    """Why the episode ended: ``answer``, ``max_turns`` or ``max_tokens``."""
+    """Why the episode ended: ``answer``, ``max_turns``, ``max_tokens`` or ``done`` (the
+    environment behind the tools ended it, see ``run_agent_loop(episode_done=...)``)."""
     prefix_preserving: bool = True
     trainable: bool = True
     n_prompt_tokens: int = 0

@@ -136,7 +136,8 @@ ENV_ACTIONS = {
     "process": "write groups to a JSONL file (and its HTML report next to it), no API needed",
     "evaluate": "one rollout per eval item at the eval temperature; print the mean metrics",
 }
-ENV_NAME_HELP = "a registered env ({}), path/to/file.py:Class or package.module:Class"
+ENV_NAME_HELP = ("a registered env ({}), path/to/file.py:Class, package.module:Class, "
+                 "verifiers:ID (a verifiers taskset) or openenv:URL (an OpenEnv server)")
 
 
 def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@ exactly as the inference server returned them (mask = the id, logprob as returne
 the tokens of the tool results and the next generation prompt (mask ``-100``, logprob
 ``1.0``). Nothing sampled is ever re-tokenized.
 
-An episode ends when the model answers without calling a tool, when ``max_turns``
+An episode ends when the model answers without calling a tool, when the environment
+behind the tools says it is over (``episode_done``), when ``max_turns``
 assistant turns have been sampled, or when the token budget (``max_token_length``) is
 spent; the last two set ``truncated``. A tool that raises, times out, gets bad arguments
 or does not exist sends an error message back to the model as the tool result, and is
@@ -61,11 +62,15 @@ async def run_agent_loop(
     max_token_length: int,
     max_tokens_per_turn: int | None = None,
     policy_version: Callable[[], int | None] | int | None = None,
+    episode_done: Callable[[], bool] | None = None,
 ) -> Rollout:
     """Run one episode from ``messages`` and return its trajectory.
 
     ``policy_version``: the weight version serving the requests, or a function returning
     it (read again at every turn, so a weight update mid-episode shows per turn).
+    ``episode_done``: asked after each turn's tool calls ran; ``True`` ends the episode
+    there (``stop = "done"``: the environment behind the tools says it is over), with the
+    tool results in ``messages`` but no further tokens.
     """
     by_name = {t.name: t for t in tools}
     schemas = [t.schema() for t in tools] or None
@@ -117,6 +122,10 @@ async def run_agent_loop(
                 turn.tool_errors.append(error)
         for error in parse_errors:
             new_messages.append({"role": "tool", "content": f"Error: malformed tool call: {error}"})
+        if episode_done is not None and episode_done():
+            state.messages += new_messages
+            state.stop = "done"
+            break
 
         continuation = renderer.continuation(state.messages, new_messages, schemas,
                                              ended_with_eos=generated.ended_with_eos)

@@ -289,6 +289,12 @@ class BaseEnv:
             max_tokens_per_turn=self.config.max_tokens_per_turn,
             policy_version=lambda: self.policy_version)
 
+    def scores_each_turn(self) -> bool:
+        """Whether ``compute_turn_rewards`` (one score per assistant turn) scores this env's
+        rollouts rather than ``compute_reward``. Default: the class mixes in
+        :class:`TurnLevelRewardMixin`; an env whose settings choose overrides it."""
+        return isinstance(self, TurnLevelRewardMixin)
+
     def compute_reward(self, item: Any, rollout: Rollout) -> float:
         """The episode's score (may be ``async``). Not needed with TurnLevelRewardMixin or
         reward functions. ``rollout.env_state`` is the snapshot of the per-rollout state."""
@@ -398,7 +404,7 @@ class BaseEnv:
     async def _score(self, item: Any, rollout: Rollout) -> float | list[float]:
         if self._reward_functions:
             return await self._score_with_functions(item, rollout)
-        if isinstance(self, TurnLevelRewardMixin):
+        if self.scores_each_turn():
             scores = await _maybe_await(self.compute_turn_rewards(item, rollout))
             if not isinstance(scores, (list, tuple)) or len(scores) != len(rollout.turns):
                 got = f"{len(scores)} scores" if isinstance(scores, (list, tuple)) else repr(scores)

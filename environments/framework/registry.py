@@ -1,5 +1,6 @@
-"""Find an environment class by name: a registered env, ``path/to/file.py:Class`` or
-``package.module:Class``."""
+"""Find an environment class by name: a registered env, ``path/to/file.py:Class``,
+``package.module:Class``, or another framework's env: ``verifiers:ID`` (a verifiers
+taskset) or ``openenv:URL`` (an OpenEnv server), see :mod:`environments.adapters`."""
 
 from __future__ import annotations
 
@@ -23,12 +24,34 @@ class EnvNotFoundError(LookupError):
     pass
 
 
+ADAPTER_PREFIXES = ("verifiers:", "openenv:")
+"""Names of another framework's envs: ``verifiers:ID``, ``openenv:URL``."""
+
+
 def load_env_class(name: str) -> type[BaseEnv]:
+    if name.startswith("verifiers:"):
+        from environments.adapters.verifiers_env import verifiers_env_class
+
+        taskset_id = name.removeprefix("verifiers:")
+        if not taskset_id:
+            raise EnvNotFoundError("verifiers:ID needs the taskset id (an importable module)")
+        try:
+            return verifiers_env_class(taskset_id)
+        except (ImportError, ValueError, TypeError, AttributeError) as error:
+            raise EnvNotFoundError(f"{name!r}: {error}") from None
+    if name.startswith("openenv:"):
+        from environments.adapters.openenv_env import openenv_env_class
+
+        url = name.removeprefix("openenv:")
+        if not url.startswith(("http://", "https://")):
+            raise EnvNotFoundError(f"{name!r}: openenv:URL needs the server's http(s):// URL")
+        return openenv_env_class(url)
     target = ENVIRONMENTS.get(name, name)
     if ":" not in target:
         raise EnvNotFoundError(
             f"unknown environment {name!r}: use one of {', '.join(sorted(ENVIRONMENTS))}, "
-            "or path/to/file.py:ClassName, or package.module:ClassName")
+            "or path/to/file.py:ClassName, or package.module:ClassName, or verifiers:ID, "
+            "or openenv:URL")
     where, _, class_name = target.rpartition(":")
     if where.endswith(".py") or "/" in where:
         path = Path(where).resolve()
