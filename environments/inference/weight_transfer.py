@@ -1,0 +1,278 @@
+"""A CPU backend for vLLM's weight-transfer API: the trainer broadcasts its weights to
+vLLM's workers over a gloo (TCP) process group, in memory, no files.
+
+vLLM 0.32 moves weights from a trainer into running servers through
+``vllm.distributed.weight_transfer``: the trainer drives ``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` over HTTP
+(``HTTPVLLMWeightSyncClient``) and streams the tensors through a backend engine that
+lives in every vLLM worker (``WeightTransferEngineFactory``) and in the trainer
+(``WeightTransferTrainerFactory``). Its backends (``nccl``, ``ipc``, ...) need CUDA; this
+module adds ``gloo`` to both factories, with the same shape as vLLM's dense NCCL engine:
+
+- handshake: the trainer (rank 0) and the workers (ranks ``rank_offset + worker rank``)
+  join a stateless gloo group (vLLM's ``stateless_init_torch_distributed_process_group``,
+  a TCPStore rendezvous at ``master_address:master_port``);
+- an update: ``start_weight_update`` begins vLLM's layerwise reload, ``update_weights``
+  names the tensors (names, dtypes, shapes) and every worker receives them by broadcast
+  in that order and hands them to ``model.load_weights``; ``finish_weight_update``
+  finalises the reload.
+
+vLLM's processes load this module through the ``vllm.general_plugins`` entry point
+``lachesis_gloo`` (``pyproject.toml``; :func:`register` runs in the API server, the engine
+core and every worker). :func:`plugin_pythonpath` makes the entry point visible to a vLLM
+started from a source tree that is not pip-installed with it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+BACKEND = "gloo"
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "lachesis_gloo"
+PLUGIN_TARGET = f"{__name__}:register"
+
+
+def register() -> None:
+    """vLLM plugin entry point: add the ``gloo`` engines to vLLM's factories (idempotent:
+    vLLM may load plugins more than once per process)."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+        if BACKEND not in factory._registry:
+            factory.register_engine(BACKEND, __name__, cls)
+
+
+def plugin_installed() -> bool:
+    return any(e.name == PLUGIN_NAME and e.value == PLUGIN_TARGET
+               for e in importlib.metadata.entry_points(group=PLUGIN_GROUP))
+
+
+def plugin_pythonpath() -> str | None:
+    """A directory to put on a vLLM process's ``PYTHONPATH`` so that it finds the
+    ``lachesis_gloo`` plugin entry point, or None when the installed package declares it
+    already. (A bare ``*.dist-info`` with ``entry_points.txt`` is all that
+    ``importlib.metadata`` needs.)"""
+    if plugin_installed():
+        return None
+    root = Path(tempfile.gettempdir()) / "lachesis-vllm-plugin"
+    info = root / "lachesis_vllm_plugin-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lachesis-vllm-plugin\n"
+                                   "Version: 0\n")
+    (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n")
+    return str(root)
+
+
+def _open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float):
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(
+        address, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """Broadcast from group rank 0 (the trainer), on the group object itself: vLLM's
+    stateless groups are not registered with torch.distributed's global rank table."""
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+# --------------------------------------------------------------------------------------
+# the vLLM worker side
+# --------------------------------------------------------------------------------------
+try:
+    from vllm.distributed.weight_transfer.base import (
+        ParamMeta,
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightSource,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError:  # vLLM not installed: nothing here can run, the module still imports
+    WeightTransferEngine = TrainerWeightTransferEngine = None  # type: ignore[assignment,misc]
+
+
+if WeightTransferEngine is not None:
+    @dataclass(kw_only=True)
+    class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+        """The rendezvous of the worker side; the trainer is group rank 0."""
+
+        master_address: str
+        master_port: int
+        rank_offset: int
+        world_size: int
+        timeout_s: float = 300.0
+
+    @dataclass
+    class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+        """The tensors of one update, in the order they are broadcast."""
+
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+
+        def __post_init__(self) -> None:
+            if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+                raise ValueError(f"names, dtype_names and shapes differ in length: "
+                                 f"{len(self.names)}, {len(self.dtype_names)}, "
+                                 f"{len(self.shapes)}")
+
+    class GlooWeightTransferEngine(
+            WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+        """Receives the trainer's broadcast in a vLLM worker and loads it with vLLM's
+        layerwise reload (the same lifecycle as the dense NCCL engine)."""
+
+        init_info_cls = GlooWeightTransferInitInfo
+        update_info_cls = GlooWeightTransferUpdateInfo
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self.group = None
+
+        def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+            self.shutdown()
+            parallel = self.parallel_config
+            worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
+            self.group = _open_group(init_info.master_address, init_info.master_port,
+                                     worker_rank + init_info.rank_offset,
+                                     init_info.world_size, init_info.timeout_s)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # The base class ends with torch.accelerator.synchronize(); gloo's receive
+            # has completed when wait() returns, and a CPU has no accelerator.
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+            if self.group is None:
+                raise RuntimeError("gloo weight transfer not initialised: call "
+                                   "/init_weight_transfer_engine first")
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
+                                               update_info.shapes):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                _broadcast(self.group, weight)
+                self.model.load_weights([(name, weight.to(self.device))])
+
+        def shutdown(self) -> None:
+            if self.group is not None:
+                from vllm.distributed.utils import (
+                    stateless_destroy_torch_distributed_process_group,
+                )
+
+                stateless_destroy_torch_distributed_process_group(self.group)
+                self.group = None
+
+    # ----------------------------------------------------------------------------------
+    # the trainer side
+    # ----------------------------------------------------------------------------------
+    @dataclass
+    class GlooTrainerInitInfo(TrainerInitInfo):
+        """The trainer's rendezvous: it hosts the TCPStore at ``master_address:
+        master_port``; ``world_size`` = 1 + the number of vLLM workers."""
+
+        backend: ClassVar[str] = BACKEND
+
+        master_address: str
+        master_port: int
+        world_size: int
+        timeout_s: float = 300.0
+
+    class StateDictSource(WeightSource):
+        """A ``WeightSource`` over a ``{name: tensor}`` mapping (a model's state dict, or
+        the full state dict gathered from a sharded model)."""
+
+        def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+            self.weights = weights
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.weights.items()]
+
+        def __iter__(self):
+            return iter(self.weights.items())
+
+    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+        """Drives one vLLM server's update through ``client`` and broadcasts ``source``'s
+        tensors to its workers. Single trainer rank (the leader holds the whole model)."""
+
+        init_info_cls = GlooTrainerInitInfo
+
+        def __init__(self, *, client, source, is_sender: bool = True) -> None:
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.group = None
+
+        @classmethod
+        def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+            if source is None:
+                raise ValueError("the gloo trainer engine needs a WeightSource")
+            if not init_info.is_sender:
+                raise ValueError("the gloo trainer engine runs on trainer rank 0 only")
+            engine = cls(client=client, source=source)
+            worker = GlooWeightTransferInitInfo(
+                master_address=init_info.master_address, master_port=init_info.master_port,
+                rank_offset=1, world_size=init_info.world_size, timeout_s=init_info.timeout_s)
+            # The workers block in the rendezvous inside the HTTP call: open ours beside it.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                future = pool.submit(client.init_weight_transfer_engine, asdict(worker))
+                try:
+                    engine.group = _open_group(init_info.master_address,
+                                               init_info.master_port, 0,
+                                               init_info.world_size, init_info.timeout_s)
+                finally:
+                    future.result()
+            return engine
+
+        def send_weights(self) -> None:
+            meta = self.source.metadata()
+            update = GlooWeightTransferUpdateInfo(
+                names=[m.name for m in meta],
+                dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+                shapes=[list(m.shape) for m in meta])
+            self.client.start_weight_update()
+            pool = ThreadPoolExecutor(max_workers=1)
+            try:  # the workers receive inside the /update_weights call
+                future = pool.submit(self.client.update_weights, asdict(update))
+                for (name, tensor), m in zip(self.source, meta, strict=True):
+                    if future.done():  # the server gave up: say why instead of hanging
+                        future.result()
+                    if name != m.name:
+                        raise ValueError(f"WeightSource yielded {name!r}, metadata says "
+                                         f"{m.name!r}")
+                    _broadcast(self.group, tensor.detach().cpu().contiguous())
+                future.result()
+            finally:
+                pool.shutdown(wait=False)
+            self.client.finish_weight_update()
+
+        def shutdown(self) -> None:
+            if self.group is not None:
+                from vllm.distributed.utils import (
+                    stateless_destroy_torch_distributed_process_group,
+                )
+
+                stateless_destroy_torch_distributed_process_group(self.group)
+                self.group = None
