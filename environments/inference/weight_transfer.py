@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -235,15 +236,26 @@ if WeightTransferEngine is not None:
             worker = GlooWeightTransferInitInfo(
                 master_address=init_info.master_address, master_port=init_info.master_port,
                 rank_offset=1, world_size=init_info.world_size, timeout_s=init_info.timeout_s)
-            # The workers block in the rendezvous inside the HTTP call: open ours beside it.
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                future = pool.submit(client.init_weight_transfer_engine, asdict(worker))
+            # The workers join the group inside the HTTP call, the trainer beside it. The
+            # trainer's side runs in a daemon thread: if the server refuses the handshake,
+            # the error comes back at once and that thread is left to time out.
+            opened: dict[str, Any] = {}
+
+            def open_group() -> None:
                 try:
-                    engine.group = _open_group(init_info.master_address,
-                                               init_info.master_port, 0,
-                                               init_info.world_size, init_info.timeout_s)
-                finally:
-                    future.result()
+                    opened["group"] = _open_group(init_info.master_address,
+                                                  init_info.master_port, 0,
+                                                  init_info.world_size, init_info.timeout_s)
+                except BaseException as error:  # noqa: BLE001 - re-raised below
+                    opened["error"] = error
+
+            thread = threading.Thread(target=open_group, name="gloo-rendezvous", daemon=True)
+            thread.start()
+            client.init_weight_transfer_engine(asdict(worker))
+            thread.join()
+            if "error" in opened:
+                raise opened["error"]
+            engine.group = opened["group"]
             return engine
 
         def send_weights(self) -> None:
