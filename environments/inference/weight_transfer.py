@@ -167,7 +167,16 @@ if WeightTransferEngine is not None:
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # The base class ends with torch.accelerator.synchronize(); gloo's receive
             # has completed when wait() returns, and a CPU has no accelerator.
-            self.receive_weights(self.parse_update_info(update_info))
+            try:
+                self.receive_weights(self.parse_update_info(update_info))
+            except BaseException:
+                # A stream cut midway leaves layers on the meta device with wrapped
+                # loaders, which a later reload_weights cannot load into: close the
+                # layerwise session (layers that got nothing keep their old tensors).
+                # The model is still part old, part new: the trainer reloads it whole
+                # (from disk) before the server resumes.
+                self.finish_weight_update()
+                raise
 
         def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
             if self.group is None:
