@@ -25,6 +25,8 @@ from trainer.train import train
 from trainer.vllm_sync import PolicyServers, served_logprob_gap
 from trainer.vllm_transfer import vllm_options as transfer_options
 
+pytestmark = pytest.mark.vllm  # the module's server, and one a test launches
+
 TOLERANCE = 1e-3
 
 

@@ -32,6 +32,10 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``--max-lora-rank`` values vLLM 0.32 accepts."""
 
 
+class AdapterLoadError(RuntimeError):
+    """A server refused (or could not be asked) to load or unload an adapter."""
+
+
 class LoraSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -102,12 +106,10 @@ class LoraSync:
         return path
 
     async def _post(self, session: aiohttp.ClientSession, url: str, body: dict) -> None:
-        from trainer.vllm_sync import WeightSyncError
-
         async with session.post(url, json=body) as response:
             if response.status >= 400:
                 text = await response.text()
-                raise WeightSyncError(f"POST {url} -> {response.status}: {text[:500]}")
+                raise AdapterLoadError(f"POST {url} -> {response.status}: {text[:500]}")
 
     async def load(self, name: str, path: Path, urls: list[str] | None = None) -> None:
         """Load adapter ``path`` as ``name`` into ``urls`` (all servers by default)."""

@@ -28,6 +28,8 @@ from typing import Any
 import aiohttp
 import torch
 
+from trainer.lora import AdapterLoadError, LoraSync
+from trainer.lora import vllm_options as lora_vllm_options
 from trainer.losses import token_logprobs
 
 log = logging.getLogger(__name__)
@@ -108,9 +110,7 @@ def vllm_options(config: Any) -> tuple[list[str], dict[str, str]]:
     """Arguments and environment a vLLM server needs for ``config``'s sync method."""
     method = sync_method(config)
     if method == "lora":
-        from trainer.lora import vllm_options as lora_options
-
-        return lora_options(config.lora)
+        return lora_vllm_options(config.lora)
     if method == "transfer":
         from trainer.vllm_transfer import transfer_backend
         from trainer.vllm_transfer import vllm_options as transfer_options
@@ -193,8 +193,6 @@ class PolicyServers:
             backend = transfer_backend(self.config.transfer_backend)
             self.transfers = {url: ServerTransfer(url, backend) for url in self.urls}
         elif self.method == "lora":
-            from trainer.lora import LoraSync
-
             self.lora = LoraSync(self.urls, self.run_dir / "adapters",
                                  await self._served_name(self.urls[0]), self.config.lora)
 
@@ -238,7 +236,8 @@ class PolicyServers:
             else:
                 await self._save(model, tokenizer, version, weights)
                 await self.sync.reload(self.latest)
-        except (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError) as error:
+        except (WeightSyncError, AdapterLoadError, aiohttp.ClientError,
+                asyncio.TimeoutError) as error:
             # A launched server that died (or is stuck paused) restarts with the new weights.
             if self.managed is None:
                 raise
