@@ -11,7 +11,8 @@ is the handshake); then ``--syncs`` timed syncs, median reported.
 - ``disk``: ``save_pretrained`` (safetensors) + ``/collective_rpc reload_weights``, inside
   ``/pause``..``/resume``;
 - ``transfer``: vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
-  ``/finish_weight_update``) streaming the state dict over the gloo backend
+  ``/finish_weight_update``) with the state dict going through the ``shm`` backend (a
+  shared-memory file; ``--transfer-backend gloo``: a gloo broadcast over TCP)
   (``environments.inference.weight_transfer``), inside ``/pause``..``/resume``;
 - ``lora``: the adapter (rank 8 on q/k/v/o and the MLP) saved and hot-loaded with
   ``/v1/load_lora_adapter`` under a new versioned name.
@@ -29,6 +30,7 @@ the large model; LoRA sync <= 0.5 s.
 
 Run from the repo root with the project's Python:
     python benchmarks/weight_sync.py [--syncs 5] [--models tiny,large] [--json OUT]
+                                     [--transfer-backend shm|gloo]
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ async def generate(url: str, model_name: str) -> None:
 
 
 async def time_method(method: str, model, tokenizer, server, run_dir: Path, syncs: int,
-                      seed: int) -> list[float]:
+                      seed: int, backend: str) -> list[float]:
     from trainer.config import TrainConfig
     from trainer.vllm_sync import PolicyServers
 
@@ -80,7 +82,7 @@ async def time_method(method: str, model, tokenizer, server, run_dir: Path, sync
         settings["lora"] = {"rank": 8}
     config = TrainConfig(model=str(server.model_dir), vllm_urls=[server.url],
                          run_dir=run_dir / method, tensorboard=False, check_sync=False,
-                         **settings)
+                         transfer_backend=backend, **settings)
     servers = PolicyServers(config, config.run_dir)
     await servers.start()
     generator = torch.Generator().manual_seed(seed)
@@ -101,7 +103,7 @@ async def time_method(method: str, model, tokenizer, server, run_dir: Path, sync
     return seconds
 
 
-def bench_model(name: str, work: Path, syncs: int) -> list[dict]:
+def bench_model(name: str, work: Path, syncs: int, backend: str) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from environments.inference.vllm_process import VLLMProcess
@@ -115,7 +117,7 @@ def bench_model(name: str, work: Path, syncs: int) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     params = sum(p.numel() for p in model.parameters())
     lora_args, lora_env = lora_options(LoraSettings(rank=8))
-    transfer_args, transfer_env = transfer_options("gloo")
+    transfer_args, transfer_env = transfer_options(backend)
     server = VLLMProcess(model_dir, served_model_name=name, max_model_len=512, dev_mode=True,
                          extra_args=[*lora_args, *transfer_args],
                          env={**lora_env, **transfer_env}, log_path=work / f"vllm-{name}.log")
@@ -126,8 +128,9 @@ def bench_model(name: str, work: Path, syncs: int) -> list[dict]:
             if method == "lora":  # the base model frozen, an adapter on top
                 model = apply_lora(model, LoraSettings(rank=8))
             seconds = asyncio.run(time_method(method, model, tokenizer, server, work / name,
-                                              syncs, seed=i))
+                                              syncs, seed=i, backend=backend))
             rows.append({"model": name, "params": params, "method": method,
+                         **({"backend": backend} if method == "transfer" else {}),
                          "median_s": statistics.median(seconds), "min_s": min(seconds),
                          "max_s": max(seconds), "syncs": len(seconds)})
             print(f"  {name} {method}: median {rows[-1]['median_s']:.3f} s "
@@ -140,6 +143,8 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=5, help="timed syncs per method")
     parser.add_argument("--models", default="tiny,large")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--transfer-backend", choices=["shm", "gloo"], default="shm",
+                        help="the CPU backend of the in-memory transfer")
     args = parser.parse_args()
     if args.syncs < 1:
         parser.error("--syncs must be at least 1")
@@ -148,7 +153,7 @@ def main() -> None:
         for name in args.models.split(","):
             if name not in MODELS:
                 parser.error(f"--models: {name!r} is not one of {', '.join(MODELS)}")
-            rows += bench_model(name, Path(work), args.syncs)
+            rows += bench_model(name, Path(work), args.syncs, args.transfer_backend)
 
     print(f"\n{'model':<6} {'params':>12} {'method':<9} {'median s':>9} {'min s':>8} "
           f"{'max s':>8}  vs disk")

@@ -34,7 +34,7 @@ TOLERANCE = 1e-3
 def server(tiny_model_dir, tmp_path_factory):
     """One vLLM CPU server for the module: runtime LoRA loading and gloo weight transfer."""
     lora_args, lora_env = lora_options(LoraSettings(rank=8))
-    transfer_args, transfer_env = transfer_options("gloo")
+    transfer_args, transfer_env = transfer_options("shm")
     process = VLLMProcess(tiny_model_dir, served_model_name="tiny", max_model_len=1024,
                           dev_mode=True, extra_args=[*lora_args, *transfer_args],
                           env={**lora_env, **transfer_env},
@@ -197,10 +197,12 @@ def test_a_transfer_failing_midway_falls_back_to_disk_before_the_server_resumes(
 
 def test_a_server_killed_mid_transfer_is_restarted_on_the_new_weights(tiny_model_dir, tmp_path,
                                                                       monkeypatch):
-    """The launched server dies halfway through the stream: the trainer reports it, saves
-    the weights, and restarts the server on them; it never served the half-written ones."""
+    """The launched server dies halfway through a gloo stream: the trainer reports it,
+    saves the weights, and restarts the server on them (it never served the half-written
+    ones); the next sync streams into the new server through a new group."""
     cfg = TrainConfig(model=str(tiny_model_dir), run_dir=tmp_path / "run", vllm_launch=True,
-                      vllm_max_model_len=512, weight_sync="transfer", tensorboard=False)
+                      vllm_max_model_len=512, weight_sync="transfer",
+                      transfer_backend="gloo", tensorboard=False)
     servers = PolicyServers(cfg, tmp_path / "run")
     whole = gloo.StateDictSource.__iter__
 
@@ -217,10 +219,19 @@ def test_a_server_killed_mid_transfer_is_restarted_on_the_new_weights(tiny_model
         try:
             monkeypatch.setattr(gloo.StateDictSource, "__iter__", killed_midway)
             values = await servers.publish(model, None, 1, None)
-            return values, await served_logprob_gap(servers.managed.url, "tiny", model)
+            after = await served_logprob_gap(servers.managed.url, "tiny", model)
+            monkeypatch.setattr(gloo.StateDictSource, "__iter__", whole)
+            nudged = perturbed(tiny_model_dir, seed=5)
+            model.load_state_dict(nudged.state_dict())
+            again = await servers.publish(model, None, 2, None)
+            return values, after, again, await served_logprob_gap(servers.managed.url,
+                                                                  "tiny", model)
         finally:
             await servers.stop()
 
-    values, after = asyncio.run(go())
+    values, after, again, after_again = asyncio.run(go())
     assert values["vllm_restarts"] == 1
     assert values["sync_check_mean_abs_diff"] < TOLERANCE and after < TOLERANCE
+    assert "vllm_restarts" not in again and "sync_fallbacks" not in again
+    assert after_again < TOLERANCE
+    assert not (tmp_path / "run" / "weights" / "v000002").exists()  # streamed, not saved

@@ -94,8 +94,10 @@ class TrainConfig(BaseModel):
     fails; ``lora``: the LoRA adapter (``lora``), hot-loaded under a versioned name;
     ``auto``: ``lora`` with a ``lora`` section, else ``transfer`` where the servers accept
     it and ``disk`` where they do not."""
-    transfer_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """The weight-transfer backend: ``auto`` is vLLM's ``nccl`` on GPU, ``gloo`` on CPU."""
+    transfer_backend: Literal["auto", "nccl", "shm", "gloo"] = "auto"
+    """The weight-transfer backend: ``auto`` is vLLM's ``nccl`` on GPU, ``shm`` (a
+    shared-memory file; the servers run on this machine) on CPU; ``gloo`` reaches CPU
+    servers on other machines."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter instead of the full weights (base model frozen)."""
     check_sync: bool = True

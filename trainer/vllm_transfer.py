@@ -1,9 +1,10 @@
 """Full weights into running vLLM servers in memory, through vLLM's weight-transfer API.
 
 Per server, once: a trainer engine from vLLM's ``WeightTransferTrainerFactory`` makes the
-handshake over HTTP (``/init_weight_transfer_engine``, vLLM's ``HTTPVLLMWeightSyncClient``)
-and joins the server's workers in a process group: ``nccl`` on GPU (vLLM's own engine),
-``gloo`` on CPU (:mod:`environments.inference.weight_transfer`, a vLLM plugin). Per sync:
+handshake over HTTP (``/init_weight_transfer_engine``, vLLM's ``HTTPVLLMWeightSyncClient``) and sets up the
+backend: ``nccl`` on GPU (vLLM's own engine: a process group with the server's workers);
+on CPU ``shm`` (a shared-memory file, same machine) or ``gloo`` (a process group over
+TCP), both from :mod:`environments.inference.weight_transfer`, a vLLM plugin. Per sync:
 ``POST /pause?mode=wait`` (running requests finish, new ones wait), the engine's
 ``send_weights`` (``/start_weight_update``, ``/update_weights`` while the tensors stream
 through the group, ``/finish_weight_update``), ``POST /resume``.
@@ -31,10 +32,11 @@ log = logging.getLogger(__name__)
 
 
 def transfer_backend(name: str = "auto") -> str:
-    """``auto``: vLLM's ``nccl`` where there is a GPU, else ``gloo``."""
+    """``auto``: vLLM's ``nccl`` where there is a GPU, else ``shm`` (a shared-memory file:
+    the servers run on the trainer's machine; ``gloo`` reaches other machines)."""
     if name != "auto":
         return name
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.cuda.is_available() else "shm"
 
 
 def vllm_options(backend: str) -> tuple[list[str], dict[str, str]]:
@@ -42,7 +44,7 @@ def vllm_options(backend: str) -> tuple[list[str], dict[str, str]]:
     transfers over ``backend``; the gloo plugin is put on its path when the installed
     package does not declare it."""
     env = {}
-    if backend == "gloo" and (path := gloo.plugin_pythonpath()) is not None:
+    if backend in gloo.BACKENDS and (path := gloo.plugin_pythonpath()) is not None:
         import os
 
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH"))
@@ -82,15 +84,17 @@ class ServerTransfer:
         from environments.inference.vllm_process import free_port
 
         gloo.register()
-        address = _address_towards(self.url)
-        port = free_port(address)
-        if self.backend == "gloo":
-            info = gloo.GlooTrainerInitInfo(address, port, world_size=2, rank=0,
-                                            timeout_s=self.timeout_s)
+        if self.backend == "shm":
+            info = gloo.ShmTrainerInitInfo(rank=0)
+        elif self.backend == "gloo":
+            address = _address_towards(self.url)
+            info = gloo.GlooTrainerInitInfo(address, free_port(address), world_size=2,
+                                            rank=0, timeout_s=self.timeout_s)
         else:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            info = NCCLTrainerInitInfo(address, port, world_size=2, rank=0)
+            address = _address_towards(self.url)
+            info = NCCLTrainerInitInfo(address, free_port(address), world_size=2, rank=0)
         client = HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout_s)
         try:
             self.engine = WeightTransferTrainerFactory.trainer_init(

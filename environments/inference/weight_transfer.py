@@ -1,21 +1,24 @@
-"""A CPU backend for vLLM's weight-transfer API: the trainer broadcasts its weights to
-vLLM's workers over a gloo (TCP) process group, in memory, no files.
+"""CPU backends for vLLM's weight-transfer API: the trainer's weights go into vLLM's
+workers in memory, no checkpoint files.
 
 vLLM 0.32 moves weights from a trainer into running servers through
 ``vllm.distributed.weight_transfer``: the trainer drives ``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` over HTTP
-(``HTTPVLLMWeightSyncClient``) and streams the tensors through a backend engine that
-lives in every vLLM worker (``WeightTransferEngineFactory``) and in the trainer
+(``HTTPVLLMWeightSyncClient``) and the tensors go through a backend engine that lives in
+every vLLM worker (``WeightTransferEngineFactory``) and in the trainer
 (``WeightTransferTrainerFactory``). Its backends (``nccl``, ``ipc``, ...) need CUDA; this
-module adds ``gloo`` to both factories, with the same shape as vLLM's dense NCCL engine:
+module adds two to both factories, with the lifecycle of vLLM's dense NCCL engine
+(``start_weight_update`` begins vLLM's layerwise reload, every received tensor goes to
+``model.load_weights``, ``finish_weight_update`` finalises the reload):
 
-- handshake: the trainer (rank 0) and the workers (ranks ``rank_offset + worker rank``)
-  join a stateless gloo group (vLLM's ``stateless_init_torch_distributed_process_group``,
-  a TCPStore rendezvous at ``master_address:master_port``);
-- an update: ``start_weight_update`` begins vLLM's layerwise reload, ``update_weights``
-  names the tensors (names, dtypes, shapes) and every worker receives them by broadcast
-  in that order and hands them to ``model.load_weights``; ``finish_weight_update``
-  finalises the reload.
+- ``shm`` (same machine): the trainer copies the weights into one shared-memory file
+  (``/dev/shm``) at fixed offsets, then ``/update_weights`` names them (names, dtypes,
+  shapes, offsets) and every worker loads them from its mapping of that file;
+- ``gloo`` (any machine the trainer can reach): the trainer (rank 0) and the workers
+  (ranks ``rank_offset + worker rank``) join a stateless gloo group (vLLM's
+  ``stateless_init_torch_distributed_process_group``, a TCPStore rendezvous at
+  ``master_address:master_port``); the workers receive the tensors by broadcast, in the
+  order ``/update_weights`` names them.
 
 vLLM's processes load this module through the ``vllm.general_plugins`` entry point
 ``lachesis_gloo`` (``pyproject.toml``; :func:`register` runs in the API server, the engine
@@ -26,34 +29,38 @@ started from a source tree that is not pip-installed with it.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-BACKEND = "gloo"
+BACKENDS = ("gloo", "shm")
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "lachesis_gloo"
 PLUGIN_TARGET = f"{__name__}:register"
 
 
 def register() -> None:
-    """vLLM plugin entry point: add the ``gloo`` engines to vLLM's factories (idempotent:
-    vLLM may load plugins more than once per process)."""
+    """vLLM plugin entry point: add the ``gloo`` and ``shm`` engines to vLLM's factories
+    (idempotent: vLLM may load plugins more than once per process)."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
-        if BACKEND not in factory._registry:
-            factory.register_engine(BACKEND, __name__, cls)
+    for backend in BACKENDS:
+        prefix = backend.capitalize()
+        for factory, cls in ((WeightTransferEngineFactory, f"{prefix}WeightTransferEngine"),
+                             (WeightTransferTrainerFactory,
+                              f"{prefix}TrainerWeightTransferEngine")):
+            if backend not in factory._registry:
+                factory.register_engine(backend, __name__, cls)
 
 
 def plugin_installed() -> bool:
@@ -134,10 +141,36 @@ if WeightTransferEngine is not None:
                                  f"{len(self.names)}, {len(self.dtype_names)}, "
                                  f"{len(self.shapes)}")
 
-    class GlooWeightTransferEngine(
-            WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
-        """Receives the trainer's broadcast in a vLLM worker and loads it with vLLM's
-        layerwise reload (the same lifecycle as the dense NCCL engine)."""
+    class _LayerwiseEngine(WeightTransferEngine):
+        """The worker-side lifecycle both backends share: vLLM's layerwise reload around
+        an update, and a clean session end when an update fails midway."""
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # The base class ends with torch.accelerator.synchronize(); the tensors are in
+            # place when receive_weights returns, and a CPU has no accelerator.
+            try:
+                self.receive_weights(self.parse_update_info(update_info))
+            except BaseException:
+                # A stream cut midway leaves layers on the meta device with wrapped
+                # loaders, which a later reload_weights cannot load into: close the
+                # layerwise session (layers that got nothing keep their old tensors).
+                # The model is still part old, part new: the trainer reloads it whole
+                # (from disk) before the server resumes.
+                self.finish_weight_update()
+                raise
+
+    class GlooWeightTransferEngine(_LayerwiseEngine):
+        """Receives the trainer's broadcast in a vLLM worker."""
 
         init_info_cls = GlooWeightTransferInitInfo
         update_info_cls = GlooWeightTransferUpdateInfo
@@ -153,30 +186,6 @@ if WeightTransferEngine is not None:
             self.group = _open_group(init_info.master_address, init_info.master_port,
                                      worker_rank + init_info.rank_offset,
                                      init_info.world_size, init_info.timeout_s)
-
-        def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
-
-        def update_weights(self, update_info: dict[str, Any]) -> None:
-            # The base class ends with torch.accelerator.synchronize(); gloo's receive
-            # has completed when wait() returns, and a CPU has no accelerator.
-            try:
-                self.receive_weights(self.parse_update_info(update_info))
-            except BaseException:
-                # A stream cut midway leaves layers on the meta device with wrapped
-                # loaders, which a later reload_weights cannot load into: close the
-                # layerwise session (layers that got nothing keep their old tensors).
-                # The model is still part old, part new: the trainer reloads it whole
-                # (from disk) before the server resumes.
-                self.finish_weight_update()
-                raise
 
         def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
             if self.group is None:
@@ -205,7 +214,7 @@ if WeightTransferEngine is not None:
         """The trainer's rendezvous: it hosts the TCPStore at ``master_address:
         master_port``; ``world_size`` = 1 + the number of vLLM workers."""
 
-        backend: ClassVar[str] = BACKEND
+        backend: ClassVar[str] = "gloo"
 
         master_address: str
         master_port: int
@@ -297,3 +306,140 @@ if WeightTransferEngine is not None:
 
                 stateless_destroy_torch_distributed_process_group(self.group)
                 self.group = None
+
+    # ----------------------------------------------------------------------------------
+    # shared memory: the same machine
+    # ----------------------------------------------------------------------------------
+    ALIGNMENT = 64
+
+    def shm_layout(meta: list[ParamMeta]) -> tuple[list[int], int]:
+        """Byte offsets of the tensors in the shared file (each aligned to 64 bytes, so
+        every dtype can be viewed in place) and the file's size."""
+        offsets, size = [], 0
+        for m in meta:
+            offsets.append(size)
+            nbytes = m.dtype.itemsize * int(torch.Size(m.shape).numel())
+            size += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        return offsets, max(size, ALIGNMENT)
+
+    def _map(path: str, size: int) -> torch.Tensor:
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+    def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype,
+              shape: list[int]) -> torch.Tensor:
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        return buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+    @dataclass(kw_only=True)
+    class ShmWeightTransferInitInfo(WeightTransferInitInfo):
+        """The shared file (on the trainer's and the server's machine) and its size."""
+
+        path: str
+        size: int
+
+    @dataclass
+    class ShmWeightTransferUpdateInfo(GlooWeightTransferUpdateInfo):
+        """The tensors of one update and where each starts in the shared file."""
+
+        offsets: list[int] = field(default_factory=list)
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if len(self.offsets) != len(self.names):
+                raise ValueError(f"{len(self.offsets)} offsets for {len(self.names)} tensors")
+
+    class ShmWeightTransferEngine(_LayerwiseEngine):
+        """Loads the weights a trainer on the same machine put in a shared file."""
+
+        init_info_cls = ShmWeightTransferInitInfo
+        update_info_cls = ShmWeightTransferUpdateInfo
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self.buffer: torch.Tensor | None = None
+
+        def init_transfer_engine(self, init_info: ShmWeightTransferInitInfo) -> None:
+            if not Path(init_info.path).is_file():
+                raise FileNotFoundError(f"shm weight transfer: no file {init_info.path} here "
+                                        "(the trainer must run on this machine; use gloo)")
+            self.buffer = _map(init_info.path, init_info.size)
+
+        def receive_weights(self, update_info: ShmWeightTransferUpdateInfo) -> None:
+            if self.buffer is None:
+                raise RuntimeError("shm weight transfer not initialised: call "
+                                   "/init_weight_transfer_engine first")
+            for name, dtype_name, shape, offset in zip(
+                    update_info.names, update_info.dtype_names, update_info.shapes,
+                    update_info.offsets):
+                weight = _view(self.buffer, offset, getattr(torch, dtype_name), shape)
+                self.model.load_weights([(name, weight.to(self.device))])
+
+        def shutdown(self) -> None:
+            self.buffer = None
+
+    @dataclass
+    class ShmTrainerInitInfo(TrainerInitInfo):
+        """Where the trainer creates the shared file (a tmpfs: ``/dev/shm``)."""
+
+        backend: ClassVar[str] = "shm"
+
+        directory: str = "/dev/shm"
+
+    class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
+        """Copies ``source``'s tensors into the shared file, then has the server load
+        them. The file is sized once, at the handshake, for the source's tensors."""
+
+        init_info_cls = ShmTrainerInitInfo
+
+        def __init__(self, *, client, source, is_sender: bool = True) -> None:
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.path: str | None = None
+            self.buffer: torch.Tensor | None = None
+            self.layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+            self.offsets: list[int] = []
+
+        @classmethod
+        def trainer_init(cls, init_info: ShmTrainerInitInfo, *, client, source=None):
+            if source is None:
+                raise ValueError("the shm trainer engine needs a WeightSource")
+            engine = cls(client=client, source=source)
+            meta = source.metadata()
+            engine.layout = [(m.name, m.dtype, tuple(m.shape)) for m in meta]
+            engine.offsets, size = shm_layout(meta)
+            fd, engine.path = tempfile.mkstemp(prefix="lachesis-weights-",
+                                               dir=init_info.directory)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            try:
+                engine.buffer = _map(engine.path, size)
+                client.init_weight_transfer_engine(
+                    asdict(ShmWeightTransferInitInfo(path=engine.path, size=size)))
+            except BaseException:
+                engine.shutdown()
+                raise
+            return engine
+
+        def send_weights(self) -> None:
+            meta = self.source.metadata()
+            if [(m.name, m.dtype, tuple(m.shape)) for m in meta] != self.layout:
+                raise ValueError("the weights' names, dtypes or shapes changed since the "
+                                 "handshake: the shared file no longer fits them")
+            with torch.no_grad():
+                for (name, tensor), m, offset in zip(self.source, meta, self.offsets,
+                                                     strict=True):
+                    _view(self.buffer, offset, m.dtype, list(m.shape)).copy_(tensor)
+            update = ShmWeightTransferUpdateInfo(
+                names=[m.name for m in meta],
+                dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+                shapes=[list(m.shape) for m in meta], offsets=self.offsets)
+            self.client.start_weight_update()
+            self.client.update_weights(asdict(update))
+            self.client.finish_weight_update()
+
+        def shutdown(self) -> None:
+            self.buffer = None
+            if self.path is not None:
+                Path(self.path).unlink(missing_ok=True)
+                self.path = None
