@@ -21,8 +21,8 @@ module adds two to both factories, with the lifecycle of vLLM's dense NCCL engin
   order ``/update_weights`` names them.
 
 vLLM's processes load this module through the ``vllm.general_plugins`` entry point
-``lachesis_gloo`` (``pyproject.toml``; :func:`register` runs in the API server, the engine
-core and every worker). :func:`plugin_pythonpath` makes the entry point visible to a vLLM
+``lachesis_weight_transfer`` (``pyproject.toml``; :func:`register` runs in the API
+server, the engine core and every worker). :func:`plugin_pythonpath` makes the entry point visible to a vLLM
 started from a source tree that is not pip-installed with it.
 """
 
@@ -42,7 +42,7 @@ import torch
 
 BACKENDS = ("gloo", "shm")
 PLUGIN_GROUP = "vllm.general_plugins"
-PLUGIN_NAME = "lachesis_gloo"
+PLUGIN_NAME = "lachesis_weight_transfer"
 PLUGIN_TARGET = f"{__name__}:register"
 
 
@@ -70,17 +70,20 @@ def plugin_installed() -> bool:
 
 def plugin_pythonpath() -> str | None:
     """A directory to put on a vLLM process's ``PYTHONPATH`` so that it finds the
-    ``lachesis_gloo`` plugin entry point, or None when the installed package declares it
-    already. (A bare ``*.dist-info`` with ``entry_points.txt`` is all that
+    ``lachesis_weight_transfer`` plugin entry point, or None when the installed package
+    declares it already. (A bare ``*.dist-info`` with ``entry_points.txt`` is all that
     ``importlib.metadata`` needs.)"""
     if plugin_installed():
         return None
     root = Path(tempfile.gettempdir()) / "lachesis-vllm-plugin"
     info = root / "lachesis_vllm_plugin-0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lachesis-vllm-plugin\n"
-                                   "Version: 0\n")
-    (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n")
+    files = {"METADATA": "Metadata-Version: 2.1\nName: lachesis-vllm-plugin\nVersion: 0\n",
+             "entry_points.txt": f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n"}
+    for name, text in files.items():  # atomically: another process may be reading them
+        tmp = info / f".{name}.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, info / name)
     return str(root)
 
 
