@@ -18,6 +18,7 @@ weights it wants, and a version's name never means other weights later.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import shutil
 from pathlib import Path
@@ -98,6 +99,10 @@ class LoraSync:
         """Write the adapter of ``version`` (``weights``: the full state dict of a sharded
         model); a directory appears whole or not at all."""
         path = self.adapters_dir / f"v{version:06d}"
+        for n in itertools.count(1):  # a resumed run may re-publish a version: a new path
+            if not path.exists():
+                break
+            path = self.adapters_dir / f"v{version:06d}-{n}"
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=weights)
@@ -115,8 +120,11 @@ class LoraSync:
         """Load adapter ``path`` as ``name`` into ``urls`` (all servers by default)."""
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             await asyncio.gather(*(
+                # in place: a run resumed from an older checkpoint publishes names the
+                # servers may hold already; the path is new, and vLLM's prefix cache keys
+                # adapter blocks by name and path, so none of the old blocks is reused
                 self._post(session, f"{url}/v1/load_lora_adapter",
-                           {"lora_name": name, "lora_path": str(path)})
+                           {"lora_name": name, "lora_path": str(path), "load_inplace": True})
                 for url in urls or self.urls))
 
     async def publish(self, model: Any, version: int,
