@@ -120,10 +120,12 @@ def vllm_options(config: Any) -> tuple[list[str], dict[str, str]]:
 
 
 async def served_logprob_gap(url: str, model_name: str, model: torch.nn.Module, *,
-                             prompt_len: int = 16, new_tokens: int = 8, seed: int = 0) -> float:
+                             vocab_size: int | None = None, prompt_len: int = 16,
+                             new_tokens: int = 8, seed: int = 0) -> float:
     """Mean |trainer - vLLM| logprob of ``new_tokens`` tokens that the server samples (at
-    temperature 1, under ``model_name``) after a random prompt."""
-    vocab_size = model.get_input_embeddings().weight.shape[0]
+    temperature 1, under ``model_name``) after a prompt of random ids below ``vocab_size``
+    (the tokenizer's: vLLM refuses the padding rows of a larger embedding)."""
+    vocab_size = vocab_size or model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(seed)).tolist()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -211,6 +213,7 @@ class PolicyServers:
         url = self.managed.url
         if url in self.transfers:  # its workers are new: a new handshake
             self.transfers[url].close()
+            self.disk_only.discard(url)
         if self.lora is not None:
             await self.lora.restore(url)
         return True
@@ -253,7 +256,8 @@ class PolicyServers:
             values["vllm_restarts"] = self.managed.restarts
         values["sync_seconds"] = time.monotonic() - started
         if self.check_sync and not self.checked:
-            values["sync_check_mean_abs_diff"] = await self.verify(model)
+            values["sync_check_mean_abs_diff"] = await self.verify(
+                model, len(tokenizer) if tokenizer is not None else None)
             self.checked = True
         return values
 
@@ -297,11 +301,11 @@ class PolicyServers:
 
             await asyncio.gather(*(one(u) for u in self.urls))
 
-    async def verify(self, model: Any) -> float:
+    async def verify(self, model: Any, vocab_size: int | None = None) -> float:
         """The post-sync check: every server's logprobs of tokens it samples with the new
         weights equal the trainer's (mean |diff| below ``alignment_tolerance``)."""
         gaps = [await served_logprob_gap(url, self.model_name or await self._served_name(url),
-                                         model) for url in self.urls]
+                                         model, vocab_size=vocab_size) for url in self.urls]
         worst = max(gaps)
         log.info("sync check: mean |trainer - vLLM| logprob after the sync = %.2e", worst)
         if worst >= self.config.alignment_tolerance:

@@ -62,7 +62,8 @@ def _address_towards(url: str) -> str:
 
 
 class TransferRefused(RuntimeError):
-    """The server does not accept weight transfers (started without a transfer config)."""
+    """The handshake failed: the server was started without a transfer config (or with
+    another backend), or cannot reach the trainer's end (``shm``: another machine)."""
 
 
 class ServerTransfer:
@@ -75,8 +76,7 @@ class ServerTransfer:
         self.engine: Any = None
 
     def connect(self, weights: dict[str, torch.Tensor]) -> None:
-        """The handshake (blocking); raises :class:`TransferRefused` if the server has no
-        transfer engine."""
+        """The handshake (blocking); raises :class:`TransferRefused` when it fails."""
         import requests
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -99,14 +99,14 @@ class ServerTransfer:
         try:
             self.engine = WeightTransferTrainerFactory.trainer_init(
                 info, client=client, source=gloo.StateDictSource(weights))
-        except requests.HTTPError as error:
-            text = error.response.text if error.response is not None else ""
-            if "Weight transfer not configured" in text or (
-                    error.response is not None and error.response.status_code == 404):
-                raise TransferRefused(f"{self.url} does not accept weight transfers "
-                                      f"(start it with --weight-transfer-config): "
-                                      f"{text[:300]}") from None
-            raise
+        except Exception as error:  # noqa: BLE001 - vLLM answers a bare 500 when unconfigured
+            text = ""
+            if isinstance(error, requests.HTTPError) and error.response is not None:
+                text = f": {error.response.text[:300]}"
+            raise TransferRefused(
+                f"{self.url} refused the {self.backend} weight-transfer handshake "
+                f"({type(error).__name__}: {error}{text}); was it started with "
+                f"--weight-transfer-config '{{\"backend\": \"{self.backend}\"}}'?") from error
 
     def send(self, weights: dict[str, torch.Tensor]) -> None:
         """One update (blocking): connects first if needed."""
