@@ -283,8 +283,6 @@ class PolicyServers:
                 if url not in self.disk_only:
                     try:
                         await asyncio.to_thread(self.transfers[url].send, state)
-                        await self.sync._post(session, f"{url}/resume")
-                        return
                     except TransferRefused as error:
                         if self.config.weight_sync == "transfer":
                             raise WeightSyncError(str(error)) from None
@@ -295,6 +293,9 @@ class PolicyServers:
                                   "from disk", version, url, type(error).__name__, error)
                         values["sync_fallbacks"] = values.get("sync_fallbacks", 0) + 1
                         self.transfers[url].close()
+                    else:
+                        await self.sync._post(session, f"{url}/resume")
+                        return
                 # The server is still paused: it resumes only with the whole new weights.
                 await self.sync.reload_paused(session, url, await on_disk())
                 await self.sync._post(session, f"{url}/resume")
