@@ -379,11 +379,13 @@ if WeightTransferEngine is not None:
             if self.buffer is None:
                 raise RuntimeError("shm weight transfer not initialised: call "
                                    "/init_weight_transfer_engine first")
-            for name, dtype_name, shape, offset in zip(
+            # One load_weights call for all of them (it builds its name tables per call).
+            self.model.load_weights(
+                (name, _view(self.buffer, offset, getattr(torch, dtype_name), shape)
+                 .to(self.device))
+                for name, dtype_name, shape, offset in zip(
                     update_info.names, update_info.dtype_names, update_info.shapes,
-                    update_info.offsets):
-                weight = _view(self.buffer, offset, getattr(torch, dtype_name), shape)
-                self.model.load_weights([(name, weight.to(self.device))])
+                    update_info.offsets))
 
         def shutdown(self) -> None:
             self.buffer = None
