@@ -88,21 +88,21 @@ class TrainConfig(BaseModel):
     sync_every: int = Field(default=1, ge=1)
     """Sync weights into vLLM (and post the new policy version) every N steps."""
     weight_sync: Literal["auto", "transfer", "disk", "lora"] = "auto"
-    """How new weights reach vLLM (docs/weight-sync.md). ``disk``: a HF checkpoint that
-    vLLM re-reads; ``transfer``: in memory through vLLM's weight-transfer API (servers
-    started with ``--weight-transfer-config``), disk as the fallback when a transfer
-    fails; ``lora``: the LoRA adapter (``lora``), hot-loaded under a versioned name;
-    ``auto``: ``lora`` with a ``lora`` section, else ``transfer`` where the servers accept
-    it and ``disk`` where they do not."""
+    """How new weights reach vLLM: auto, transfer, disk or lora (docs/weight-sync.md).
+    ``disk``: a HF checkpoint that vLLM re-reads; ``transfer``: in memory through vLLM's
+    weight-transfer API (servers started with ``--weight-transfer-config``), disk as the
+    fallback when a transfer fails; ``lora``: the LoRA adapter (``lora``), hot-loaded
+    under a versioned name; ``auto``: ``lora`` with a ``lora`` section, else ``transfer``
+    where the servers accept it and ``disk`` where they do not."""
     transfer_backend: Literal["auto", "nccl", "shm", "gloo"] = "auto"
-    """The weight-transfer backend: ``auto`` is vLLM's ``nccl`` on GPU, ``shm`` (a
-    shared-memory file; the servers run on this machine) on CPU; ``gloo`` reaches CPU
+    """The in-memory transfer's backend: auto (nccl on GPU, shm on CPU), shm, gloo, nccl.
+    ``shm``: a shared-memory file, for servers on this machine; ``gloo`` reaches CPU
     servers on other machines."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter instead of the full weights (base model frozen)."""
     check_sync: bool = True
-    """After the first sync, sample a few tokens from every server and check vLLM's
-    logprobs of them equal the trainer's (``alignment_tolerance``)."""
+    """After the first sync, check every server's logprobs equal the trainer's.
+    (8 tokens each samples after a random prompt; ``alignment_tolerance``.)"""
     # alignment check
     check_alignment: bool = True
     """At step 0, compare the trainer's logprobs of the first batch with vLLM's."""

@@ -51,8 +51,9 @@ class LoraSettings(BaseModel):
                                  "gate_proj", "up_proj", "down_proj"], min_length=1)
     """Names of the linear layers that get an adapter."""
     keep_loaded: int = Field(default=3, ge=2)
-    """Adapter versions each vLLM server keeps loaded: envs switch to a new one within
-    their status poll, and requests to the previous names must still find them."""
+    """Adapter versions each vLLM server keeps loaded (the newest and older ones).
+    Envs switch to a new one within their status poll; until then their requests name an
+    older one, which must still be there."""
 
 
 def vllm_options(settings: LoraSettings) -> tuple[list[str], dict[str, str]]:
