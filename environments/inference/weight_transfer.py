@@ -429,9 +429,10 @@ if WeightTransferEngine is not None:
                 engine.buffer = _map(engine.path, size)
                 client.init_weight_transfer_engine(
                     asdict(ShmWeightTransferInitInfo(path=engine.path, size=size)))
-            except BaseException:
-                engine.shutdown()
-                raise
+            finally:
+                # Both sides have mapped it: its memory lives as long as a mapping does,
+                # so a crash on either side leaves nothing behind in /dev/shm.
+                Path(engine.path).unlink(missing_ok=True)
             return engine
 
         def send_weights(self) -> None:
@@ -452,6 +453,3 @@ if WeightTransferEngine is not None:
 
         def shutdown(self) -> None:
             self.buffer = None
-            if self.path is not None:
-                Path(self.path).unlink(missing_ok=True)
-                self.path = None
