@@ -305,3 +305,24 @@ def test_the_wire_declares_the_same_fields_as_the_data_model():
 
     wire = set(_Group.__struct_fields__) - {"distill_token_ids", "distill_logprobs"}
     assert wire == set(ScoredData.model_fields)
+
+
+def test_the_policy_model_name_travels_with_the_version_to_the_envs_requests():
+    """With LoRA, each version is served under its own name: the trainer posts it with the
+    version, ``/status`` carries it, and an env's next requests go to it."""
+    from environments import BaseEnv, EnvConfig
+    from environments.framework.runner import poll_status
+    from environments.inference.vllm_client import VLLMServerPool
+
+    async def scenario():
+        async with running_api() as (url, api), RolloutAPIClient(url) as client:
+            env = BaseEnv(EnvConfig())
+            env._pool = VLLMServerPool(["http://127.0.0.1:1"], "policy")
+            await client.set_policy_version(1)
+            await poll_status(env, client)
+            assert (env.policy_version, env._pool.model) == (1, "policy")
+            await client.set_policy_version(2, "policy-lora-v000002")
+            await poll_status(env, client)
+            assert (env.policy_version, env._pool.model) == (2, "policy-lora-v000002")
+            assert (await client.status())["policy_model"] == "policy-lora-v000002"
+    run(scenario())

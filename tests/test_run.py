@@ -167,3 +167,26 @@ def test_killing_the_supervisor_outright_leaves_no_process(tiny_model_dir, tmp_p
     run.kill()
     run.communicate(timeout=30)
     wait_for(lambda: processes_of_run(rid) == [], 30, "the run's processes to go")
+
+
+def test_lora_run_hot_loads_each_adapter_and_the_env_switches_to_it(tiny_model_dir, tmp_path):
+    """`lora:` in the run config: vLLM starts with runtime adapter loading, every step's
+    adapter is loaded under a versioned name and the env's requests follow it."""
+    config = write_config(tmp_path, tiny_model_dir, "lora", warm_start=None, evaluate=False,
+                          lora={"rank": 8, "alpha": 16})
+    run = start_run(config)
+    out, err = run.communicate(timeout=900)
+    assert run.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "runs" / "lora"
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["sync_check_mean_abs_diff"] < 1e-3
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "alignment check: mean |trainer - vLLM| logprob" in trainer_log
+    vllm_log = (run_dir / "logs" / "vllm.log").read_text()
+    assert all(f"Loaded new LoRA adapter: name 'policy-lora-v00000{v}'" in vllm_log
+               for v in (1, 2, 3))
+    env_log = (run_dir / "logs" / "env-arithmetic_tool.log").read_text()
+    assert "requests go to model policy-lora-v00000" in env_log
+    assert sorted(p.name for p in (run_dir / "trainer" / "adapters").iterdir()) == [
+        "v000001", "v000002", "v000003"]

@@ -157,11 +157,13 @@ def test_masked_tokens_get_no_gradient(vllm_server, rollouts):
     assert (grad[~predicts_trained] == 0).all() and (grad[predicts_trained] > 0).all()
 
 
-@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+@pytest.mark.parametrize("sharding,lora", [("replicate", False), ("fsdp", False),
+                                           ("replicate", True)])
 def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollouts, tmp_path,
-                                                              sharding):
-    """torchrun, 2 CPU processes (gloo), full replicas or FSDP2 shards: the weights after a
-    step equal one process's (the batch of 7 leaves rank 1 a micro-batch short)."""
+                                                              sharding, lora):
+    """torchrun, 2 CPU processes (gloo), full replicas or FSDP2 shards, or a LoRA adapter:
+    the weights after a step equal one process's (the batch of 7 leaves rank 1 a
+    micro-batch short)."""
     import subprocess
     import sys
 
@@ -176,7 +178,7 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
               "--check-alignment", "false", "--log-level", "WARNING",
               # Adam's first step is ~lr * sign(g): where g ~ 0 it turns float summation-order
               # noise into lr-sized differences. A large eps keeps the step linear in g there.
-              "--adam-eps", "1e-3"]
+              "--adam-eps", "1e-3", *(["--lora", "{rank: 8, alpha: 16}"] if lora else [])]
     single = subprocess.run([sys.executable, "-m", "lachesis.cli", "train", *common,
                              "--run-dir", str(tmp_path / "single")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -187,10 +189,15 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
                              "--run-dir", str(tmp_path / "double")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert double.returncode == 0, double.stderr[-3000:]
-    a = load_file(tmp_path / "single/checkpoints/step_000001/model.safetensors")
-    b = load_file(tmp_path / "double/checkpoints/step_000001/model.safetensors")
-    initial = load_file(vllm_server.model_dir / "model.safetensors")
-    step = max(float((a[k] - initial[k]).abs().max()) for k in a)
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    a = load_file(tmp_path / "single/checkpoints/step_000001" / weights)
+    b = load_file(tmp_path / "double/checkpoints/step_000001" / weights)
+    if lora:  # only the adapter trained; B starts at zero
+        assert all("lora_" in k for k in a)
+        step = max(float(a[k].abs().max()) for k in a if "lora_B" in k)
+    else:
+        initial = load_file(vllm_server.model_dir / "model.safetensors")
+        step = max(float((a[k] - initial[k]).abs().max()) for k in a)
     assert step > 1e-4  # the step is 100x the tolerance: a mis-weighted rank would show
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from environments.settings import load_settings
+from trainer.lora import LoraSettings
 
 
 class TrainConfig(BaseModel):
@@ -86,6 +87,22 @@ class TrainConfig(BaseModel):
     """Extra arguments for the launched vLLM server."""
     sync_every: int = Field(default=1, ge=1)
     """Sync weights into vLLM (and post the new policy version) every N steps."""
+    weight_sync: Literal["auto", "transfer", "disk", "lora"] = "auto"
+    """How new weights reach vLLM: auto, transfer, disk or lora (docs/weight-sync.md).
+    ``disk``: a HF checkpoint that vLLM re-reads; ``transfer``: in memory through vLLM's
+    weight-transfer API (servers started with ``--weight-transfer-config``), disk as the
+    fallback when a transfer fails; ``lora``: the LoRA adapter (``lora``), hot-loaded
+    under a versioned name; ``auto``: ``lora`` with a ``lora`` section, else ``transfer``
+    where the servers accept it and ``disk`` where they do not."""
+    transfer_backend: Literal["auto", "nccl", "shm", "gloo"] = "auto"
+    """The in-memory transfer's backend: auto (nccl on GPU, shm on CPU), shm, gloo, nccl.
+    ``shm``: a shared-memory file, for servers on this machine; ``gloo`` reaches CPU
+    servers on other machines."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter instead of the full weights (base model frozen)."""
+    check_sync: bool = True
+    """After the first sync, check every server's logprobs equal the trainer's.
+    (8 tokens each samples after a random prompt; ``alignment_tolerance``.)"""
     # alignment check
     check_alignment: bool = True
     """At step 0, compare the trainer's logprobs of the first batch with vLLM's."""
@@ -99,6 +116,15 @@ class TrainConfig(BaseModel):
     tensorboard: bool = True
     wandb: bool = False
     """Also log to Weights & Biases (project "lachesis") when the package is installed."""
+
+    @model_validator(mode="after")
+    def _lora_needs_lora_sync(self) -> TrainConfig:
+        if self.weight_sync == "lora" and self.lora is None:
+            raise ValueError("weight_sync: lora needs a `lora` section (rank, alpha, ...)")
+        if self.lora is not None and self.weight_sync not in ("auto", "lora"):
+            raise ValueError(f"with `lora`, only the adapter trains: weight_sync must be "
+                             f"lora or auto, not {self.weight_sync}")
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> TrainConfig:

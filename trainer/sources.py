@@ -48,7 +48,7 @@ class BatchSource(Protocol):
 
     async def finish(self, batch: Batch) -> None: ...
 
-    async def publish_version(self, version: int) -> None: ...
+    async def publish_version(self, version: int, model: str | None = None) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -61,7 +61,7 @@ class _Offline:
     async def finish(self, batch: Batch) -> None:
         pass
 
-    async def publish_version(self, version: int) -> None:
+    async def publish_version(self, version: int, model: str | None = None) -> None:
         pass
 
     async def close(self) -> None:
@@ -150,8 +150,8 @@ class APIBatches:
         if batch.lease_id is not None:
             await self.client.ack(batch.lease_id, batch.rejected)
 
-    async def publish_version(self, version: int) -> None:
-        await self.client.set_policy_version(version)
+    async def publish_version(self, version: int, model: str | None = None) -> None:
+        await self.client.set_policy_version(version, model)
 
     async def close(self) -> None:
         await self.client.close()

@@ -16,8 +16,9 @@ One step:
    vLLM's recorded ones (mean absolute difference below ``alignment_tolerance``);
 4. forward/backward over micro-batches (gradients accumulate so the loss is the batch's
    token mean or sequence mean), clip, AdamW step;
-5. every ``sync_every`` steps, load the new weights into the vLLM servers in place and
-   post the new policy version to the rollout API;
+5. every ``sync_every`` steps, put the new weights into the vLLM servers in place (from
+   disk, in memory, or as a LoRA adapter: ``weight_sync``) and post the new policy
+   version (and the model name to request, with LoRA) to the rollout API;
 6. log metrics (JSONL, TensorBoard), checkpoint every ``checkpoint_every`` steps.
 """
 
@@ -51,6 +52,7 @@ from trainer.distributed import (
     shard_model,
     uses_fsdp,
 )
+from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss, token_logprobs
 from trainer.metrics import Metrics, Progress
 from trainer.sources import Batch, open_source
@@ -211,6 +213,8 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
     if world > 1:
         if not sharded:
             for parameter in model.parameters():
+                if not parameter.requires_grad:
+                    continue
                 if parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
                 dist.all_reduce(parameter.grad)
@@ -251,15 +255,20 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
 
     # model, optimizer, and where a previous run stopped
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint or config.model),
-                                                 dtype=dtype).to(device)
+    if config.lora is not None:  # the base model frozen, the adapter (resumed) trains
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype),
+                           config.lora, checkpoint).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint or config.model),
+                                                     dtype=dtype).to(device)
     sharded = uses_fsdp(config, world)
     if sharded:
         shard_model(model)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab_size = model.get_input_embeddings().weight.shape[0]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=config.lr, betas=config.betas,
                                   eps=config.adam_eps, weight_decay=config.weight_decay)
     start_step, position = restore(checkpoint, model, optimizer, sharded) if checkpoint \
         else (0, 0)
@@ -270,7 +279,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
         if sharded:
             shard_model(ref_model)
     serves = bool(config.vllm_urls or config.vllm_launch) and rl
-    if serves and getattr(model.config, "tie_word_embeddings", False):
+    if serves and config.lora is None and getattr(model.config, "tie_word_embeddings", False):
         raise ValueError(
             "vLLM 0.32's in-place reload_weights leaves lm_head stale when input and "
             "output embeddings are tied (measured on the CPU build): train a model with "
@@ -278,7 +287,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
 
     source = await open_source(config, tokenizer, pad_id, rank=rank, world=world,
                                position=position)
-    servers = PolicyServers(config, run_dir) if serves and leader else None
+    servers = PolicyServers(config, run_dir, check_sync=config.check_sync and not sharded) \
+        if serves and leader else None
     metrics = Metrics(run_dir, config.tensorboard, config.wandb,
                       config.model_dump(mode="json")) if leader else None
     progress = Progress(start_step, config.steps) if leader else None
@@ -332,7 +342,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                 values.update(await servers.check())
                 if syncs:
                     values.update(await servers.publish(model, tokenizer, version, weights))
-                    await source.publish_version(version)
+                    await source.publish_version(version, servers.model_name)
             # 6. metrics and checkpoints
             seconds = time.monotonic() - started
             values["step_seconds"] = seconds

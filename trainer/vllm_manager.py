@@ -21,10 +21,11 @@ class ManagedVLLM:
     def __init__(self, model_dir: str | Path, *, port: int | None = None,
                  max_model_len: int = 4096, extra_args: list[str] | None = None,
                  log_dir: str | Path = "runs/train", served_model_name: str | None = None,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None):
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
         self.extra_args = list(extra_args or [])
+        self.env = dict(env or {})
         self.log_dir = Path(log_dir)
         self.served_model_name = served_model_name
         self.start_timeout_s = start_timeout_s
@@ -35,7 +36,7 @@ class ManagedVLLM:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return VLLMProcess(model_dir, port=port, max_model_len=self.max_model_len,
                            served_model_name=self.served_model_name or self.model_dir.name,
-                           dev_mode=True, extra_args=self.extra_args,
+                           dev_mode=True, extra_args=self.extra_args, env=self.env,
                            log_path=self.log_dir / "vllm.log")
 
     @property
@@ -48,9 +49,10 @@ class ManagedVLLM:
         self.process.wait_ready(timeout=self.start_timeout_s)
         return self.url
 
-    def ensure_running(self, latest_weights: Path | None = None) -> bool:
-        """Restart the server if it died or stopped answering; True if it was restarted."""
-        if self.process.running and self.process.healthy(timeout=5.0):
+    def ensure_running(self, latest_weights: Path | None = None, force: bool = False) -> bool:
+        """Restart the server if it died or stopped answering (``force``: in any case);
+        True if it was restarted."""
+        if not force and self.process.running and self.process.healthy(timeout=5.0):
             return False
         log.warning("vLLM at %s is down (exit %s); restarting it with %s", self.url,
                     self.process.proc.poll() if self.process.proc else None,

@@ -1,14 +1,19 @@
-"""Put the trainer's weights into running vLLM servers, in place.
+"""Put the trainer's weights into running vLLM servers, in place, by one of three methods
+(``weight_sync``):
 
-CPU / development path (this module): save the weights as a HF checkpoint directory,
-then, for every server, ``POST /pause`` (finish in-flight requests, hold new ones),
-``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``,
-``POST /resume``. The servers must run with ``VLLM_SERVER_DEV_MODE=1`` (which exposes
-``/collective_rpc``). After every server has the new weights, the caller posts the new
-policy version to the rollout API, so envs stamp later turns with it.
+- ``disk``: save the weights as a HF checkpoint directory, then, for every server,
+  ``POST /pause`` (finish in-flight requests, hold new ones), ``POST /collective_rpc
+  {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``, ``POST /resume``. The
+  servers must run with ``VLLM_SERVER_DEV_MODE=1`` (which exposes ``/collective_rpc``).
+- ``transfer``: the same pause and resume around an in-memory transfer through vLLM's
+  weight-transfer API (:mod:`trainer.vllm_transfer`); disk is its fallback.
+- ``lora``: only a LoRA adapter trains; it is hot-loaded under a versioned name
+  (:mod:`trainer.lora`) and the rollouts switch to that name.
 
-On GPU, vLLM's NCCL weight-transfer endpoints (``/init_weight_transfer_engine``,
-``/update_weights``) avoid the disk round trip; they need CUDA and are not used here.
+``auto`` is ``lora`` with a ``lora`` section, else ``transfer`` where a server accepts it
+and ``disk`` where it does not. After every server has the new weights, the caller posts
+the new policy version (and, with LoRA, the model name to request) to the rollout API, so
+envs stamp later turns with it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import torch
+
+from trainer.lora import AdapterLoadError, LoraSync
+from trainer.lora import vllm_options as lora_vllm_options
+from trainer.losses import token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +71,23 @@ class VLLMWeightSync:
                 raise WeightSyncError(f"POST {url} -> {response.status}: {text[:500]}")
             return text
 
-    async def reload(self, path: Path) -> float:
-        """Load ``path`` into every server; returns the seconds it took."""
+    async def reload_paused(self, session: aiohttp.ClientSession, url: str, path: Path) -> None:
+        """Load ``path`` into one server that is paused already."""
+        await self._post(session, f"{url}/collective_rpc", {
+            "method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+
+    async def reload(self, path: Path, urls: list[str] | None = None) -> float:
+        """Load ``path`` into every server (or ``urls``); returns the seconds it took."""
         started = time.monotonic()
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             async def one(url: str) -> None:
                 await self._post(session, f"{url}/pause?mode=wait")
-                try:
-                    await self._post(session, f"{url}/collective_rpc", {
-                        "method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-                finally:
-                    await self._post(session, f"{url}/resume")
+                # A failed reload may leave part of the new weights: the server stays
+                # paused (it serves nothing) and the error goes up.
+                await self.reload_paused(session, url, path)
+                await self._post(session, f"{url}/resume")
 
-            await asyncio.gather(*(one(u) for u in self.urls))
+            await asyncio.gather(*(one(u) for u in urls or self.urls))
         return time.monotonic() - started
 
     async def sync(self, model: Any, tokenizer: Any, version: int) -> tuple[Path, float]:
@@ -84,57 +98,233 @@ class VLLMWeightSync:
         return path, seconds
 
 
+def sync_method(config: Any) -> str:
+    """The ``weight_sync`` method a config resolves to (``auto``: see the module doc;
+    a server that refuses a transfer is still synced from disk)."""
+    if config.weight_sync != "auto":
+        return config.weight_sync
+    return "lora" if config.lora is not None else "transfer"
+
+
+def vllm_options(config: Any) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment a vLLM server needs for ``config``'s sync method."""
+    method = sync_method(config)
+    if method == "lora":
+        return lora_vllm_options(config.lora)
+    if method == "transfer":
+        from trainer.vllm_transfer import transfer_backend
+        from trainer.vllm_transfer import vllm_options as transfer_options
+
+        return transfer_options(transfer_backend(config.transfer_backend))
+    return [], {}
+
+
+async def served_logprob_gap(url: str, model_name: str, model: torch.nn.Module, *,
+                             vocab_size: int | None = None, prompt_len: int = 16,
+                             new_tokens: int = 8, seed: int = 0) -> float:
+    """Mean |trainer - vLLM| logprob of ``new_tokens`` tokens that the server samples (at
+    temperature 1, under ``model_name``) after a prompt of random ids below ``vocab_size``
+    (the tokenizer's: vLLM refuses the padding rows of a larger embedding)."""
+    vocab_size = vocab_size or model.get_input_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(seed)).tolist()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with session.post(f"{url}/v1/completions", json={
+                "model": model_name, "prompt": prompt, "max_tokens": new_tokens,
+                "temperature": 1.0, "seed": seed, "logprobs": 0, "return_token_ids": True,
+                "ignore_eos": True}) as response:
+            if response.status >= 400:
+                raise WeightSyncError(f"{url}: sampling for the sync check failed: "
+                                      f"{response.status} {(await response.text())[:300]}")
+            choice = (await response.json())["choices"][0]
+    served = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
+    tokens = torch.tensor([prompt + choice["token_ids"]], device=model.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ours = token_logprobs(model(input_ids=tokens).logits, tokens)[0, prompt_len:]
+    finally:
+        model.train(was_training)
+    return float((ours.float().cpu() - served).abs().mean())
+
+
 class PolicyServers:
     """The vLLM servers that serve the policy: those the config names (``vllm_urls``) and,
     with ``vllm_launch``, one the trainer starts and restarts if it dies. After a step,
-    :meth:`publish` puts the new weights into all of them."""
+    :meth:`publish` puts the new weights into all of them; ``model_name`` is then the name
+    to request them under (a LoRA adapter's versioned name; None: the served model)."""
 
-    def __init__(self, config: Any, run_dir: Path):
+    def __init__(self, config: Any, run_dir: Path, *, check_sync: bool | None = None):
         self.config = config
         self.run_dir = run_dir
+        self.method = sync_method(config)
+        self.check_sync = config.check_sync if check_sync is None else check_sync
         self.managed = None
         self.sync: VLLMWeightSync | None = None
         self.latest: Path | None = None
+        """The newest weights on disk (a restarted server loads them)."""
+        self.transfers: dict[str, Any] = {}
+        self.disk_only: set[str] = set()
+        """Servers that refused transfers (``auto``): synced from disk."""
+        self.lora = None
+        self.model_name: str | None = None
+        self.checked = False
+
+    @property
+    def urls(self) -> list[str]:
+        return self.sync.urls if self.sync is not None else []
 
     async def start(self) -> None:
         urls = list(self.config.vllm_urls)
         if self.config.vllm_launch:
             from trainer.vllm_manager import ManagedVLLM
 
+            args, env = vllm_options(self.config)
             self.managed = ManagedVLLM(self.config.model, port=self.config.vllm_port,
                                        max_model_len=self.config.vllm_max_model_len,
-                                       extra_args=self.config.vllm_args, log_dir=self.run_dir)
+                                       extra_args=[*self.config.vllm_args, *args], env=env,
+                                       log_dir=self.run_dir)
             urls.append(await asyncio.to_thread(self.managed.start))
-        if urls:
-            self.sync = VLLMWeightSync(urls, self.run_dir / "weights")
+        if not urls:
+            return
+        self.sync = VLLMWeightSync(urls, self.run_dir / "weights")
+        if self.method == "transfer":
+            from trainer.vllm_transfer import ServerTransfer, transfer_backend
+
+            backend = transfer_backend(self.config.transfer_backend)
+            self.transfers = {url: ServerTransfer(url, backend) for url in self.urls}
+        elif self.method == "lora":
+            self.lora = LoraSync(self.urls, self.run_dir / "adapters",
+                                 await self._served_name(self.urls[0]), self.config.lora)
 
     async def check(self) -> dict[str, Any]:
         """Restart the launched server if it died (with the latest weights)."""
-        if self.managed is not None and await asyncio.to_thread(self.managed.ensure_running,
-                                                                self.latest):
+        if self.managed is not None and await self._restart(force=False):
             return {"vllm_restarts": self.managed.restarts}
         return {}
 
+    async def _restart(self, force: bool) -> bool:
+        """(Re)start the launched server on the newest weights: the newest disk copy, and
+        the newest adapter with LoRA. False when it was running fine (``force``: restart
+        it anyway, e.g. it is paused on half-written weights)."""
+        if not await asyncio.to_thread(self.managed.ensure_running, self.latest, force):
+            return False
+        url = self.managed.url
+        if url in self.transfers:  # its workers are new: a new handshake
+            self.transfers[url].close()
+            self.disk_only.discard(url)
+        if self.lora is not None:
+            await self.lora.restore(url)
+        return True
+
+    async def _save(self, model: Any, tokenizer: Any, version: int,
+                    weights: dict[str, Any] | None) -> Path:
+        self.latest = await asyncio.to_thread(self.sync.save, model, tokenizer, version,
+                                              weights)
+        return self.latest
+
     async def publish(self, model: Any, tokenizer: Any, version: int,
                       weights: dict[str, Any] | None) -> dict[str, Any]:
-        """Save ``version``'s weights and load them into every server; returns metrics."""
+        """Put ``version``'s weights into every server; returns metrics."""
         if self.sync is None:
             return {}
         started = time.monotonic()
         values: dict[str, Any] = {}
-        self.latest = await asyncio.to_thread(self.sync.save, model, tokenizer, version, weights)
         try:
-            await self.sync.reload(self.latest)
-        except (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError):
-            # A launched server that died now restarts with the new weights.
-            if self.managed is None or not await asyncio.to_thread(self.managed.ensure_running,
-                                                                   self.latest):
+            if self.method == "lora":
+                self.model_name = await self.lora.publish(model, version, weights)
+            elif self.method == "transfer":
+                await self._transfer(model, tokenizer, version, weights, values)
+            else:
+                await self._save(model, tokenizer, version, weights)
+                await self.sync.reload(self.latest)
+        except (WeightSyncError, AdapterLoadError, aiohttp.ClientError,
+                asyncio.TimeoutError) as error:
+            # A launched server that died (or is stuck paused) restarts with the new weights.
+            if self.managed is None:
                 raise
+            log.error("weight sync v%d failed (%s): restarting %s", version, error,
+                      self.managed.url)
+            if self.method == "lora":
+                await self._restart(force=True)
+                self.model_name = await self.lora.publish(model, version, weights)
+            else:
+                if self.latest is None or self.latest.name != f"v{version:06d}":
+                    await self._save(model, tokenizer, version, weights)
+                await self._restart(force=True)
             values["vllm_restarts"] = self.managed.restarts
         values["sync_seconds"] = time.monotonic() - started
+        if self.check_sync and not self.checked:
+            values["sync_check_mean_abs_diff"] = await self.verify(
+                model, len(tokenizer) if tokenizer is not None else None)
+            self.checked = True
         return values
 
+    async def _transfer(self, model: Any, tokenizer: Any, version: int,
+                        weights: dict[str, Any] | None, values: dict[str, Any]) -> None:
+        """Pause every server, stream the weights in, resume. A server whose transfer
+        fails is reloaded from a disk copy before it resumes; one that refuses
+        transfers (``auto``) is synced from disk from then on."""
+        from trainer.vllm_transfer import TransferRefused
+
+        state = weights if weights is not None else model.state_dict()
+        disk_copy: asyncio.Task | None = None
+
+        def on_disk() -> asyncio.Task:
+            nonlocal disk_copy
+            if disk_copy is None:
+                disk_copy = asyncio.ensure_future(self._save(model, tokenizer, version, weights))
+            return disk_copy
+
+        async with aiohttp.ClientSession(timeout=self.sync.timeout) as session:
+            async def one(url: str) -> None:
+                await self.sync._post(session, f"{url}/pause?mode=wait")
+                if url not in self.disk_only:
+                    try:
+                        await asyncio.to_thread(self.transfers[url].send, state)
+                    except TransferRefused as error:
+                        if self.config.weight_sync == "transfer":
+                            raise WeightSyncError(str(error)) from None
+                        log.warning("%s; syncing it from disk", error)
+                        self.disk_only.add(url)
+                    except Exception as error:  # noqa: BLE001 - any failure: disk fallback
+                        log.error("weight transfer v%d to %s failed (%s: %s); reloading it "
+                                  "from disk", version, url, type(error).__name__, error)
+                        values["sync_fallbacks"] = values.get("sync_fallbacks", 0) + 1
+                        self.transfers[url].close()
+                    else:
+                        await self.sync._post(session, f"{url}/resume")
+                        return
+                # The server is still paused: it resumes only with the whole new weights.
+                await self.sync.reload_paused(session, url, await on_disk())
+                await self.sync._post(session, f"{url}/resume")
+
+            await asyncio.gather(*(one(u) for u in self.urls))
+
+    async def verify(self, model: Any, vocab_size: int | None = None) -> float:
+        """The post-sync check: every server's logprobs of tokens it samples with the new
+        weights equal the trainer's (mean |diff| below ``alignment_tolerance``)."""
+        gaps = [await served_logprob_gap(url, self.model_name or await self._served_name(url),
+                                         model, vocab_size=vocab_size) for url in self.urls]
+        worst = max(gaps)
+        log.info("sync check: mean |trainer - vLLM| logprob after the sync = %.2e", worst)
+        if worst >= self.config.alignment_tolerance:
+            raise WeightSyncError(
+                f"after the weight sync ({self.method}), vLLM's logprobs differ from the "
+                f"trainer's by {worst:.3g} on average (tolerance "
+                f"{self.config.alignment_tolerance}): the servers do not hold the trained "
+                "weights")
+        return worst
+
+    async def _served_name(self, url: str) -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/v1/models") as response:
+                return (await response.json())["data"][0]["id"]
+
     async def stop(self) -> dict[str, Any]:
+        for transfer in self.transfers.values():
+            await asyncio.to_thread(transfer.close)
         if self.managed is None:
             return {}
         await asyncio.to_thread(self.managed.stop)

@@ -188,8 +188,11 @@ class RolloutAPIClient:
     async def nack(self, lease_id: str) -> dict[str, Any]:
         return await self.request("POST", "/nack", {"lease_id": lease_id})
 
-    async def set_policy_version(self, version: int) -> dict[str, Any]:
-        return await self.request("POST", "/policy_version", {"version": version})
+    async def set_policy_version(self, version: int, model: str | None = None
+                                 ) -> dict[str, Any]:
+        """``model``: the name to request this version under (a LoRA adapter), if not the
+        servers' base model."""
+        return await self.request("POST", "/policy_version", {"version": version, "model": model})
 
     async def status(self) -> dict[str, Any]:
         return await self.request("GET", "/status")

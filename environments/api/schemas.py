@@ -70,6 +70,9 @@ class Ack(BaseModel):
 
 class PolicyVersion(BaseModel):
     version: int = Field(ge=0, le=MAX_INT)
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    """The model name the inference servers serve this version under (a LoRA adapter's
+    versioned name), when it is not their base model: envs send requests to it."""
 
 
 class APIConfig(BaseModel):

@@ -124,6 +124,7 @@ class RolloutAPI:
             Registration(**loaded.kv["trainer"]) if loaded.kv.get("trainer") else None)
         self.step: int = loaded.kv.get("step", 0)
         self.policy_version: int | None = loaded.kv.get("policy_version")
+        self.policy_model: str | None = loaded.kv.get("policy_model")
         self.counters: Counter[str] = Counter(loaded.counters)
         self._unsaved_counts: Counter[str] = Counter()  # rejections, saved with the next write
         self._pending_pushes: list[tuple[list[tuple[AcceptedGroup, str | None]], asyncio.Future]] = []
@@ -362,6 +363,7 @@ class RolloutAPI:
         await self._in_db_thread(self.db.reset)
         self.queue, self.leases, self.envs = {}, {}, {}
         self.trainer, self.step, self.policy_version = None, 0, None
+        self.policy_model = None
         self.counters, self._unsaved_counts = Counter(), Counter()
         self._latest_body, self._recent_acks = None, {}
 
@@ -374,6 +376,7 @@ class RolloutAPI:
             "leased_groups": sum(len(l.groups) for l in self.leases.values()),
             "active_leases": len(self.leases),
             "policy_version": self.policy_version,
+            "policy_model": self.policy_model,
             "trainer_registered": self.trainer is not None,
             "durable": not self.config.in_memory,
             "dead_letters": self.counters.get("dead_lettered_groups", 0),
@@ -642,9 +645,11 @@ async def handle_policy_version(request: web.Request) -> web.Response:
     if api.policy_version is not None and req.version < api.policy_version:
         raise APIError(409, f"policy version {req.version} is older than the current "
                             f"{api.policy_version}", field="version")
-    await api._write(api.db.put, kv={"policy_version": req.version})
-    api.policy_version = req.version
-    return json_response({"policy_version": api.policy_version})
+    await api._write(api.db.put, kv={"policy_version": req.version,
+                                     "policy_model": req.model})
+    api.policy_version, api.policy_model = req.version, req.model
+    return json_response({"policy_version": api.policy_version,
+                          "policy_model": api.policy_model})
 
 
 async def handle_reset(request: web.Request) -> web.Response:

@@ -396,6 +396,13 @@ class BaseEnv:
             self.eval_backend = OpenAIBackend(client, config.model, self.renderer, eval_sampling)
         await self.setup()
 
+    def use_policy_model(self, name: str) -> None:
+        """Send the next vLLM requests to model ``name``: the trainer's newest policy when
+        it is served under its own name (a LoRA adapter version; see ``/status``)."""
+        if self._pool is not None and self._pool.model != name:
+            log.info("requests go to model %s from now on", name)
+            self._pool.model = name
+
     async def close(self) -> None:
         if self._pool is not None:
             await self._pool.close()

@@ -151,6 +151,8 @@ async def register(env: Any, client: RolloutAPIClient) -> dict[str, Any]:
 async def poll_status(env: Any, client: RolloutAPIClient) -> None:
     status = await client.status()
     env.policy_version = status.get("policy_version", env.policy_version)
+    if status.get("policy_model"):
+        env.use_policy_model(status["policy_model"])
     env.queued_groups = status.get("queue_size", env.queued_groups)
 
 

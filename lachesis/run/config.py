@@ -80,6 +80,10 @@ class RunConfig(_Section):
     """One env server per entry."""
     train: dict[str, Any] = Field(default_factory=dict)
     """``TrainConfig`` keys for the RL phase."""
+    lora: dict[str, Any] | None = None
+    """Train a LoRA adapter in the RL phase (``TrainConfig.lora``: rank, alpha, dropout,
+    target_modules): vLLM starts with runtime adapter loading, each new adapter version is
+    hot-loaded and the envs switch to it."""
     evaluate: bool = True
     """Evaluate every env before and after RL (its ``eval_items``, greedy by default)."""
     evaluate_before: bool = True
@@ -97,6 +101,11 @@ class RunConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return self.runs_dir / self.name
+
+    @property
+    def rl_train(self) -> dict[str, Any]:
+        """The RL phase's ``TrainConfig`` keys, with the ``lora`` section."""
+        return {**self.train, **({"lora": self.lora} if self.lora is not None else {})}
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> RunConfig:
@@ -126,8 +135,10 @@ class RunConfig(_Section):
         for i, env in enumerate(self.envs):
             check(f"envs[{i}] ({env.name}).settings", "env",
                   load_env_class(env.name).config_class, env.settings)
-        check("train", "train", TrainConfig, self.train, model=self.model)
-        batch_size = TrainConfig.model_validate({"model": self.model, **self.train}).batch_size
+        if self.lora is not None and "lora" in self.train:
+            raise ValueError("lora: set it at the top level or under train, not both")
+        check("train", "train", TrainConfig, self.rl_train, model=self.model)
+        batch_size = TrainConfig.model_validate({"model": self.model, **self.rl_train}).batch_size
         for i, env in enumerate(self.envs):
             group_size = load_env_class(env.name).config_class.model_validate(
                 env.settings).group_size

@@ -210,17 +210,22 @@ class Supervisor:
         api = self.start("api", _lachesis("api", "--config", str(api_yaml)))
 
         from environments.inference.vllm_process import VLLMProcess
+        from trainer.config import TrainConfig
+        from trainer.vllm_sync import vllm_options
 
         v = config.vllm
+        # What the trainer's weight sync needs of vLLM (LoRA, a weight-transfer backend).
+        sync_args, sync_env = vllm_options(TrainConfig.model_validate(
+            {**config.rl_train, "model": model}))
         server = VLLMProcess(model, port=v.port, max_model_len=v.max_model_len, dtype=v.dtype,
                              kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
                              gpu_memory_utilization=v.gpu_memory_utilization,
-                             served_model_name="policy", extra_args=v.args,
-                             log_path=run_dir / "logs" / "vllm.log")
+                             served_model_name="policy", extra_args=[*v.args, *sync_args],
+                             env=sync_env, log_path=run_dir / "logs" / "vllm.log")
         environment = server.environment()
         vllm = self.start("vllm", server.command(), env={
-            k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE")
-            if k in environment})
+            k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
+                                        *sync_env) if k in environment})
         self.wait_healthy(api, api_url + "/status", config.startup_timeout_s)
         self.wait_healthy(vllm, server.url + "/health", v.startup_timeout_s)
 
@@ -236,7 +241,7 @@ class Supervisor:
 
         train_dir = run_dir / "trainer"
         train_yaml = write_yaml(run_dir / "configs" / "train.yaml", {
-            **config.train, "model": model, "mode": "rl", "api_url": api_url,
+            **config.rl_train, "model": model, "mode": "rl", "api_url": api_url,
             "vllm_urls": [server.url], "run_dir": train_dir})
         total_steps = int(config.train.get("steps", 100))
         with RunProgress(config.name, total_steps, live=self.live) as progress:

@@ -1,0 +1,237 @@
+"""Weights into real vLLM CPU servers without a full checkpoint on disk: LoRA adapters
+hot-loaded under versioned names, and in-memory transfers through vLLM's weight-transfer
+API (the gloo plugin backend); a failed transfer falls back to disk and never leaves a
+server serving half-written weights."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from environments import EnvConfig
+from environments.inference import weight_transfer as gloo
+from environments.inference.vllm_process import VLLMProcess
+from trainer.config import TrainConfig
+from trainer.lora import LoraSettings
+from trainer.lora import vllm_options as lora_options
+from trainer.train import train
+from trainer.vllm_sync import PolicyServers, served_logprob_gap
+from trainer.vllm_transfer import vllm_options as transfer_options
+
+pytestmark = pytest.mark.vllm  # the module's server, and one a test launches
+
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """One vLLM CPU server for the module: runtime LoRA loading and gloo weight transfer."""
+    lora_args, lora_env = lora_options(LoraSettings(rank=8))
+    transfer_args, transfer_env = transfer_options("shm")
+    process = VLLMProcess(tiny_model_dir, served_model_name="tiny", max_model_len=1024,
+                          dev_mode=True, extra_args=[*lora_args, *transfer_args],
+                          env={**lora_env, **transfer_env},
+                          log_path=tmp_path_factory.mktemp("vllm") / "server.log")
+    with process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def rollouts(server, tmp_path_factory):
+    """4 groups x 4 single-turn trajectories sampled by the server's base model."""
+    from test_trainer import LetterEEnv
+
+    out = tmp_path_factory.mktemp("rollouts") / "groups.jsonl"
+    config = EnvConfig(tokenizer=str(server.model_dir), inference_servers=[server.url],
+                       model="tiny", group_size=4, max_turns=1, max_tokens_per_turn=24,
+                       max_token_length=256)
+
+    async def collect():
+        env = LetterEEnv(config)
+        await env.start()
+        try:
+            await env.process(out, 4)
+        finally:
+            await env.close()
+
+    asyncio.run(collect())
+    return out
+
+
+def train_config(tmp_path, server, **settings) -> TrainConfig:
+    return TrainConfig(**{"model": str(server.model_dir), "run_dir": tmp_path / "run",
+                          "batch_size": 8, "micro_batch_size": 8, "steps": 2, "lr": 3e-3,
+                          "tensorboard": False, "vllm_urls": [server.url], **settings})
+
+
+def gap(server, name, model) -> float:
+    return asyncio.run(served_logprob_gap(server.url, name, model))
+
+
+def test_lora_trains_only_the_adapter_and_vllm_serves_each_version_as_the_trainer_has_it(
+        server, rollouts, tmp_path):
+    from peft import PeftModel
+
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+    cfg = train_config(tmp_path, server, data=rollouts, lora=lora, checkpoint_every=1)
+    summary = asyncio.run(train(cfg))
+    assert summary["alignment_mean_abs_diff"] < TOLERANCE  # step 0: base = base + B·A, B = 0
+
+    metrics = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").open()]
+    assert metrics[0]["sync_check_mean_abs_diff"] < TOLERANCE  # the trainer's own check
+    served = requests_json(server.url + "/v1/models")
+    assert {"tiny-lora-v000001", "tiny-lora-v000002"} <= {m["id"] for m in served["data"]}
+
+    # Checkpoints hold the adapter only; loaded on the base model, it is what vLLM serves.
+    checkpoint = cfg.run_dir / "checkpoints" / "step_000002"
+    assert (checkpoint / "adapter_model.safetensors").exists()
+    assert not (checkpoint / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(server.model_dir)
+    trained = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(server.model_dir), checkpoint)
+    assert gap(server, "tiny-lora-v000002", trained) < TOLERANCE
+    assert gap(server, "tiny-lora-v000002", base) > 10 * TOLERANCE  # the adapter matters
+    assert gap(server, "tiny", base) < TOLERANCE  # the base model is untouched
+
+    # Resuming picks the adapter up again and trains on from it.
+    more = asyncio.run(train(cfg.model_copy(update={"steps": 3})))
+    assert more["start_step"] == 2 and more["last_step"] == 3
+
+
+def requests_json(url: str):
+    import requests
+
+    return requests.get(url, timeout=30).json()
+
+
+async def _complete(session, url, n_tokens=48):
+    async with session.post(url + "/v1/completions", json={
+            "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": n_tokens,
+            "ignore_eos": True, "temperature": 1.0}) as response:
+        body = await response.json()
+        assert response.status == 200, body
+        return len(body["choices"][0]["text"]) >= 0 and body["usage"]["completion_tokens"]
+
+
+def perturbed(model_dir, seed: int):
+    """The model after a (pretend) optimizer step: every weight moved a little."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    return model
+
+
+def test_in_memory_transfer_serves_the_trainer_weights_and_loses_no_request_in_flight(
+        server, tmp_path):
+    servers = PolicyServers(train_config(tmp_path, server, weight_sync="transfer"),
+                            tmp_path / "run")
+    model = perturbed(server.model_dir, seed=1)
+
+    async def sync_under_load():
+        await servers.start()
+        async with aiohttp.ClientSession() as session:
+            requests_ = [asyncio.ensure_future(_complete(session, server.url))
+                         for _ in range(8)]
+            await asyncio.sleep(0.3)  # the requests are running
+            values = await servers.publish(model, None, 1, None)
+            late = [asyncio.ensure_future(_complete(session, server.url)) for _ in range(4)]
+            return values, await asyncio.gather(*requests_, *late)
+
+    try:
+        values, done = asyncio.run(sync_under_load())
+    finally:
+        asyncio.run(servers.stop())
+    assert done == [48] * 12  # every request finished, none aborted
+    assert values["sync_check_mean_abs_diff"] < TOLERANCE and "sync_fallbacks" not in values
+    assert not (tmp_path / "run" / "weights").exists()  # nothing went through the disk
+    assert gap(server, "tiny", model) < TOLERANCE
+    assert gap(server, "tiny", AutoModelForCausalLM.from_pretrained(server.model_dir)) \
+        > 10 * TOLERANCE
+
+
+def test_a_transfer_failing_midway_falls_back_to_disk_before_the_server_resumes(
+        server, tmp_path, monkeypatch):
+    """The trainer's side of the stream breaks after 5 tensors: the paused server holds part
+    of the new weights, is reloaded from a disk copy, and only then serves again; the next
+    sync goes through a new transfer group."""
+    servers = PolicyServers(train_config(tmp_path, server, weight_sync="transfer"),
+                            tmp_path / "run", check_sync=False)
+    whole = gloo.StateDictSource.__iter__
+
+    def breaks(self):
+        for i, item in enumerate(whole(self)):
+            if i == 5:
+                raise ConnectionResetError("lost the trainer's stream")
+            yield item
+
+    async def go():
+        await servers.start()
+        try:
+            monkeypatch.setattr(gloo.StateDictSource, "__iter__", breaks)
+            first_model = perturbed(server.model_dir, seed=2)
+            first = await servers.publish(first_model, None, 1, None)
+            first_gap = await served_logprob_gap(server.url, "tiny", first_model)
+            monkeypatch.setattr(gloo.StateDictSource, "__iter__", whole)
+            second_model = perturbed(server.model_dir, seed=3)
+            second = await servers.publish(second_model, None, 2, None)
+            second_gap = await served_logprob_gap(server.url, "tiny", second_model)
+            return first, first_gap, second, second_gap
+        finally:
+            await servers.stop()
+
+    first, first_gap, second, second_gap = asyncio.run(go())
+    assert first["sync_fallbacks"] == 1 and first_gap < TOLERANCE
+    assert (tmp_path / "run" / "weights" / "v000001" / "model.safetensors").exists()
+    assert "sync_fallbacks" not in second and second_gap < TOLERANCE
+    assert not (tmp_path / "run" / "weights" / "v000002").exists()
+
+
+def test_a_server_killed_mid_transfer_is_restarted_on_the_new_weights(tiny_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """The launched server dies halfway through a gloo stream: the trainer reports it,
+    saves the weights, and restarts the server on them (it never served the half-written
+    ones); the next sync streams into the new server through a new group."""
+    cfg = TrainConfig(model=str(tiny_model_dir), run_dir=tmp_path / "run", vllm_launch=True,
+                      vllm_max_model_len=512, weight_sync="transfer",
+                      transfer_backend="gloo", tensorboard=False)
+    servers = PolicyServers(cfg, tmp_path / "run")
+    whole = gloo.StateDictSource.__iter__
+
+    def killed_midway(self):
+        for i, item in enumerate(whole(self)):
+            if i == 5:
+                os.killpg(servers.managed.process.proc.pid, signal.SIGKILL)
+            yield item
+
+    model = perturbed(tiny_model_dir, seed=4)
+
+    async def go():
+        await servers.start()
+        try:
+            monkeypatch.setattr(gloo.StateDictSource, "__iter__", killed_midway)
+            values = await servers.publish(model, None, 1, None)
+            after = await served_logprob_gap(servers.managed.url, "tiny", model)
+            monkeypatch.setattr(gloo.StateDictSource, "__iter__", whole)
+            nudged = perturbed(tiny_model_dir, seed=5)
+            model.load_state_dict(nudged.state_dict())
+            again = await servers.publish(model, None, 2, None)
+            return values, after, again, await served_logprob_gap(servers.managed.url,
+                                                                  "tiny", model)
+        finally:
+            await servers.stop()
+
+    values, after, again, after_again = asyncio.run(go())
+    assert values["vllm_restarts"] == 1
+    assert values["sync_check_mean_abs_diff"] < TOLERANCE and after < TOLERANCE
+    assert "vllm_restarts" not in again and "sync_fallbacks" not in again
+    assert after_again < TOLERANCE
+    assert not (tmp_path / "run" / "weights" / "v000002").exists()  # streamed, not saved
