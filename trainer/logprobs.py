@@ -1,0 +1,143 @@
+"""The model's log-probabilities of a micro-batch's tokens: padding-free packing and a
+memory-bounded output projection.
+
+A micro-batch arrives as right-padded rows (:class:`trainer.batch.TrainBatch`, ``[B, T]``).
+With ``packing`` the rows' real tokens are concatenated into one ``[1, N]`` sequence
+(``N = sum of lengths``) whose position ids restart at 0 on every row; transformers reads
+that as packed sequences and lets each token attend only to its own row (a block-diagonal
+causal mask for SDPA/eager attention, variable-length kernels for flash-attention). No
+compute or memory goes to padding. The logprobs come back in the ``[B, T]`` row layout, so
+the losses see exactly the tensors of the padded path.
+
+With ``chunk_size`` the output projection, logsumexp and gather run
+:func:`trainer.losses.chunked_token_logprobs` on the rows' hidden states, only at the
+positions whose logprob is needed (trained tokens), so no ``[tokens, vocab]`` float32
+tensor exists for the micro-batch. The model's own ``forward`` still runs (and with it
+FSDP2's hooks): for the duration of the call its output embedding computes logprobs
+instead of logits. On CUDA, Liger-Kernel's fused linear cross entropy does the same in
+Triton when a version with correct per-token gradients is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+
+import torch
+from torch import Tensor
+
+from trainer.losses import chunked_token_logprobs, token_logprobs
+
+log = logging.getLogger("lachesis.train")
+
+LIGER_MIN_VERSION = (0, 8, 2)
+"""Liger's fused linear cross entropy with ``reduction="none"`` multiplied every token's
+gradient by the first token's upstream gradient before its PR #1298 (July 2026); the
+policy loss weighs tokens differently, so older versions are not used."""
+
+
+def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *,
+                      packing: bool = False, chunk_size: int | None = None,
+                      where: Tensor | None = None) -> Tensor:
+    """``out[b, t] = log p(tokens[b, t] | tokens[b, <t])`` as float32 ``[B, T]``; 0 at
+    ``t = 0``, on padding (``t >= lengths[b]``) and, when ``where`` (bool ``[B, T]``) is
+    given, wherever it is False (those positions are not computed with ``chunk_size``).
+
+    ``packing``: run the rows as one packed sequence (module docstring) instead of a
+    padded ``[B, T]`` batch with an attention mask. ``chunk_size``: compute the output
+    projection ``chunk_size`` tokens at a time (:func:`chunked_token_logprobs`); None
+    computes the full ``[.., T, V]`` logits and :func:`token_logprobs`, as before."""
+    batch, width = tokens.shape
+    lengths = lengths.to(tokens.device)
+    positions = torch.arange(width, device=tokens.device)[None, :].expand(batch, width)
+    valid = positions < lengths[:, None]
+    wanted = valid & (positions >= 1)
+    if where is not None:
+        wanted = wanted & where.to(tokens.device)
+    if packing:
+        inputs = {"input_ids": tokens[valid][None], "position_ids": positions[valid][None]}
+        # flat[b, t]: where token (b, t) sits in the packed sequence (rows back to back)
+        flat = torch.cumsum(valid.reshape(-1), 0).reshape(batch, width) - 1
+    else:
+        inputs = {"input_ids": tokens, "attention_mask": valid.long()}
+        flat = torch.arange(batch * width, device=tokens.device).reshape(batch, width)
+    zero = torch.zeros((), dtype=torch.float32, device=tokens.device)
+    if chunk_size is None or not _plain_output_projection(model):
+        logits = model(**inputs, use_cache=False).logits
+        if not packing:
+            return torch.where(wanted, token_logprobs(logits, tokens), zero)
+        packed = token_logprobs(logits, inputs["input_ids"])[0]
+        # t >= 1 at wanted positions, so logits[flat - 1] belong to the same row
+        return torch.where(wanted, packed[flat], zero)
+    index = wanted.nonzero(as_tuple=True)
+    predictors = flat[index] - 1  # the hidden state that predicts token (b, t)
+    targets = tokens[index]
+    head = model.get_output_embeddings()
+
+    def logprobs_head(hidden: Tensor) -> Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])[predictors]
+        return output_logprobs(rows, head.weight, targets, chunk_size, head.bias)
+
+    head.forward = logprobs_head  # for this call only: the model's forward (and its
+    try:                          # FSDP hooks) runs as usual, its head gives logprobs
+        values = model(**inputs, use_cache=False).logits
+    finally:
+        del head.forward
+    out = torch.zeros(batch, width, dtype=torch.float32, device=tokens.device)
+    return out.index_put(index, values.float())
+
+
+def output_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int,
+                    bias: Tensor | None = None) -> Tensor:
+    """``log softmax(hidden @ weight^T + bias)[targets]`` per row, memory-bounded: Liger's
+    fused kernel on CUDA when a fixed version is installed, else
+    :func:`chunked_token_logprobs`."""
+    if hidden.is_cuda and liger_available():
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss(reduction="none")(weight, hidden, targets, bias)
+        return -(loss[0] if isinstance(loss, tuple) else loss).float()
+    return chunked_token_logprobs(hidden, weight, targets, chunk_size=chunk_size, bias=bias)
+
+
+def liger_available() -> bool:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return False
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    numbers = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+    return numbers >= LIGER_MIN_VERSION
+
+
+def _plain_output_projection(model: torch.nn.Module) -> bool:
+    """Whether the logits are the output embedding's output, untouched (no soft-capping or
+    scaling after it), so the head can be replaced by a logprob computation."""
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return False
+    return not any(getattr(config, name, None) for name in (
+        "final_logit_softcapping", "logit_scale", "output_multiplier_scale"))
+
+
+def attention_implementation(device: torch.device, dtype: torch.dtype) -> str | None:
+    """``flash_attention_2`` (variable-length kernels for packed rows) on CUDA with a
+    half-precision model when the ``flash-attn`` package is installed; otherwise None:
+    transformers' default (SDPA), which handles packed rows with a block-diagonal mask."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) \
+            and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return None
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them
+    (transformers' per-layer gradient checkpointing, non-reentrant, so it composes with
+    FSDP2's per-layer sharding): activation memory drops from ~all layers' to ~one layer's
+    plus the layer inputs, for one more forward pass."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
