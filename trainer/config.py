@@ -60,9 +60,10 @@ class TrainConfig(BaseModel):
     same logprob and advantage, so with ``token_mean`` the gradient is the same; it
     differs with ``sequence_mean`` (every turn weighs as a sequence). Costs ``sum_k
     end_k`` tokens of forward/backward per trajectory instead of its length (~N times for
-    N turns when the prompt dominates); ``micro_batch_size`` counts rows. A trajectory
-    with ``segment_starts`` gives one row per segment (per turn within each segment with
-    turn_prefix), its advantages computed on the whole trajectory
+    N turns when the prompt dominates); ``micro_batch_size`` counts rows, the packing
+    budget their tokens. A trajectory with ``segment_starts`` gives one row per segment
+    (per turn within each segment with turn_prefix), its advantages computed on the whole
+    trajectory
     (``trainer.batch.segment_samples``); with ``sequence_mean`` each segment weighs as a
     sequence."""
     # loss

@@ -27,7 +27,7 @@ import logging
 import torch
 from torch import Tensor
 
-from trainer.losses import chunked_token_logprobs, token_logprobs
+from trainer.losses import chunked_token_logprobs, selected_logprobs, token_logprobs
 
 log = logging.getLogger("lachesis.train")
 
@@ -46,8 +46,10 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
 
     ``packing``: run the rows as one packed sequence (module docstring) instead of a
     padded ``[B, T]`` batch with an attention mask. ``chunk_size``: compute the output
-    projection ``chunk_size`` tokens at a time (:func:`chunked_token_logprobs`); None
-    computes the full ``[.., T, V]`` logits and :func:`token_logprobs`, as before."""
+    projection ``chunk_size`` tokens at a time (:func:`chunked_token_logprobs`) at the
+    positions that predict a wanted token. None: full float32 logits; padded, of every
+    position (:func:`token_logprobs`, the path before packing), packed, of the positions
+    that predict a wanted token (``logits_to_keep``)."""
     batch, width = tokens.shape
     lengths = lengths.to(tokens.device)
     positions = torch.arange(width, device=tokens.device)[None, :].expand(batch, width)
@@ -62,17 +64,17 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
     else:
         inputs = {"input_ids": tokens, "attention_mask": valid.long()}
         flat = torch.arange(batch * width, device=tokens.device).reshape(batch, width)
-    zero = torch.zeros((), dtype=torch.float32, device=tokens.device)
-    if chunk_size is None or not _plain_output_projection(model):
-        logits = model(**inputs, use_cache=False).logits
-        if not packing:
-            return torch.where(wanted, token_logprobs(logits, tokens), zero)
-        packed = token_logprobs(logits, inputs["input_ids"])[0]
-        # t >= 1 at wanted positions, so logits[flat - 1] belong to the same row
-        return torch.where(wanted, packed[flat], zero)
+    out = torch.zeros(batch, width, dtype=torch.float32, device=tokens.device)
+    if not packing and (chunk_size is None or not _plain_output_projection(model)):
+        logits = model(**inputs, use_cache=False).logits  # the padded full-logits path
+        return torch.where(wanted, token_logprobs(logits, tokens), out)
     index = wanted.nonzero(as_tuple=True)
-    predictors = flat[index] - 1  # the hidden state that predicts token (b, t)
+    predictors = flat[index] - 1  # the hidden state that predicts token (b, t): same row
     targets = tokens[index]
+    if chunk_size is None or not _plain_output_projection(model):
+        # full float32 logits, but only of the packed positions that predict a wanted token
+        logits = model(**inputs, use_cache=False, logits_to_keep=predictors).logits[0]
+        return out.index_put(index, selected_logprobs(logits, targets))
     head = model.get_output_embeddings()
 
     def logprobs_head(hidden: Tensor) -> Tensor:
@@ -84,7 +86,6 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
         values = model(**inputs, use_cache=False).logits
     finally:
         del head.forward
-    out = torch.zeros(batch, width, dtype=torch.float32, device=tokens.device)
     return out.index_put(index, values.float())
 
 

@@ -50,10 +50,16 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match tokens "
                          f"{tuple(tokens.shape)} (expected [..., T, V] and [..., T])")
-    predicting = logits[..., :-1, :].float()
-    targets = tokens[..., 1:].long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-    picked = predicting.gather(-1, targets).squeeze(-1) - torch.logsumexp(predicting, dim=-1)
+    picked = selected_logprobs(logits[..., :-1, :], tokens[..., 1:])
     return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+
+
+def selected_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log softmax(logits)[..., targets]`` in float32: ``logits`` ``[..., V]`` and
+    ``targets`` ``[...]`` already paired (no shift); ids outside ``[0, V)`` are clamped."""
+    logits = logits.float()
+    targets = targets.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
