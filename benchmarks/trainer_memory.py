@@ -7,15 +7,18 @@ with Qwen2's vocabulary of 151,936 tokens and a small body (``--hidden`` 256, ``
 bfloat16 on CUDA. At this vocabulary the output projection and its log-softmax are what
 an RL step's memory is made of.
 
-Batch: one micro-batch of ``--lengths`` rows (default 1024, 1024, 1024, 512, 256, 256:
-4,096 real tokens, lengths spread 4x, 6,144 tokens when right-padded), random tokens, the
+Batch: one micro-batch of ``--lengths`` rows (default 640, 640, 576, 576, 512, 512, 480,
+160: 4,096 real tokens, lengths spread 4x, 5,120 tokens when right-padded; the padded
+full-logits step then peaks at ~12 GiB, which this shared 24 GiB machine can give, where
+1024 x 3, 512, 256 x 2 padded to 6,144 peaked at 15 GiB), random tokens, the
 first quarter of each row a masked prompt and the rest trained, random advantages and
 behaviour logprobs. A step is ``trainer.train.train_step`` as ``lachesis train`` runs it
 (RL clipped surrogate with TIS, token mean, grad-norm clip, AdamW whose state exists
 before the step), with the whole batch in one micro-batch, under each configuration:
 
   * ``padded_full``: the path before packing: right-padded rows, full float32 logits.
-  * ``packed``: rows packed into one sequence (position ids restart per row), full logits.
+  * ``packed``: rows packed into one sequence (position ids restart per row), full
+    float32 logits of the positions that predict a trained token.
   * ``chunked``: right-padded rows, ``trainer.losses.chunked_token_logprobs`` in chunks of
     ``--chunk`` tokens over the trained positions.
   * ``packed_chunked_ckpt``: packing + chunked logprobs + activation checkpointing (the
@@ -107,7 +110,8 @@ def build(args, device, dtype):
                          num_attention_heads=heads, num_key_value_heads=min(2, heads),
                          max_position_embeddings=32768, tie_word_embeddings=True,
                          use_sliding_window=False)
-    config._attn_implementation = attention_implementation(device, dtype) or "sdpa"
+    packing = CONFIGS[args.child]["packing"]
+    config._attn_implementation = attention_implementation(device, dtype, packing) or "sdpa"
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype)

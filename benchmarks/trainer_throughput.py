@@ -52,11 +52,23 @@ skip about half of it. The log-softmax over the vocabulary and the optimizer are
 counted. MFU = achieved FLOP/s (with attention) / ``--peak-tflops`` (default 989 on CUDA,
 the H100 SXM dense bf16 peak; no default on the CPU, so no MFU there).
 
+The trainer runs with its defaults: packed micro-batches (``--micro-batch-size`` x
+``--seq-len`` tokens; ``--no-packing`` for right-padded rows), chunked logprobs
+(``--logprob-chunk-size``, 0 for full logits), and ``--activation-checkpointing`` when
+asked. ``--model qwen2.5-1.5b|3b|7b`` build those shapes (7B untied, vocabulary 152064).
+Also reported: the peak memory over both loops (``torch.cuda.max_memory_allocated`` on
+CUDA, the process's peak resident set on the CPU) and, with ``--find-longest LIMIT``,
+the longest single sequence (2x, 4x, ... ``--seq-len`` tokens, up to LIMIT, one micro-
+batch) a training step fits, stopping at the first CUDA out-of-memory.
+
 Run from the repo root with the project's Python:
     .venv/bin/python benchmarks/trainer_throughput.py                        # CPU: tiny model
     .venv/bin/python benchmarks/trainer_throughput.py --json out.json
     python benchmarks/trainer_throughput.py --device cuda                    # GPU: 0.5B, MFU
     python benchmarks/trainer_throughput.py --device cuda --peak-tflops 756  # H100 PCIe
+    python benchmarks/trainer_throughput.py --device cuda --model qwen2.5-7b --batch-size 2 \
+        --group-size 2 --micro-batch-size 1 --seq-len 4096 --activation-checkpointing \
+        --find-longest 32768                                             # 7B: 16k fits?
 (a CUDA build of torch is needed for the GPU mode; this project's venv is CPU-only).
 """
 
@@ -123,7 +135,8 @@ QWEN25_SHAPES = {
 # --------------------------------------------------------------------------- #
 
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path):
+def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path,
+                packing: bool = True):
     """``(model, description)`` on ``device`` in ``dtype``, in train mode."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
@@ -133,11 +146,13 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path):
         from lachesis.tiny_model import make_tiny_model
 
         path = make_tiny_model(tmp / "tiny")
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation=attention_implementation(
+                device, dtype, packing))
         description = "tiny Qwen2 (lachesis.tiny_model.make_tiny_model, random)"
     elif name in QWEN25_SHAPES:
         config = Qwen2Config(**QWEN25_SHAPES[name])
-        config._attn_implementation = attention_implementation(device, dtype) or "sdpa"
+        config._attn_implementation = attention_implementation(device, dtype, packing) or "sdpa"
         torch.manual_seed(0)
         with torch.device(device):  # initialise on the device: fast, no 2 GB CPU copy
             model = Qwen2ForCausalLM(config)
@@ -515,7 +530,8 @@ def main(argv=None) -> int:
     loadavg_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="lachesis-bench-") as tmp:
         print(f"building {args.model} on {args.device} ({args.dtype}) ...", flush=True)
-        model, description = build_model(args.model, device, dtype, Path(tmp))
+        model, description = build_model(args.model, device, dtype, Path(tmp),
+                                         packing=not args.no_packing)
     shape = model_shape(model)
     config = TrainConfig(
         model=args.model, mode="rl", estimator="mt_grpo", batch_size=args.batch_size,

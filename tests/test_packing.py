@@ -13,6 +13,7 @@ from test_turn_prefix import groups, tiny_qwen2
 
 from trainer.batch import plan_micro_batches
 from trainer.config import TrainConfig
+from trainer.logprobs import VARLEN_SDPA
 from trainer.losses import chunked_token_logprobs
 from trainer.train import Batch, batch_tensors, micro_batches, sequence_logprobs, train_step
 
@@ -20,7 +21,7 @@ PADDED = {"packing": False, "micro_batch_size": 3, "logprob_chunk_size": None}
 PACKED = {"packing": True, "max_tokens_per_micro_batch": 40, "logprob_chunk_size": 5}
 
 
-def model(attention: str = "sdpa"):
+def model(attention: str = VARLEN_SDPA):
     m = tiny_qwen2()
     m.config._attn_implementation = attention
     return m
@@ -41,7 +42,7 @@ def test_plan_fills_a_token_budget_first_fit_decreasing_every_row_once():
     assert plan_micro_batches([1, 2, 3], max_rows=2) == [[0, 1], [2]]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", [VARLEN_SDPA, "sdpa", "eager"])
 @pytest.mark.parametrize("samples", ["sequence", "turn_prefix"])
 def test_packed_and_chunked_logprobs_equal_the_padded_ones(samples, attention):
     batch, config = tensors(samples)
@@ -66,6 +67,8 @@ def test_packed_chunked_step_has_the_padded_loss_and_gradient(samples, aggregati
                            ("packed_ckpt", {**PACKED, "activation_checkpointing": True})]:
         batch, config = tensors(samples, aggregation, **settings)
         trained = copy.deepcopy(start)
+        if not config.packing:  # the path before packing: SDPA with a padding mask
+            trained.config._attn_implementation = "sdpa"
         if config.activation_checkpointing:
             trained.gradient_checkpointing_enable({"use_reentrant": False})
         optimizer = torch.optim.SGD(trained.parameters(), lr=1.0)

@@ -58,7 +58,12 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
     if where is not None:
         wanted = wanted & where.to(tokens.device)
     if packing:
-        inputs = {"input_ids": tokens[valid][None], "position_ids": positions[valid][None]}
+        bounds = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+        longest = int(lengths.max()) if batch else 0
+        inputs = {"input_ids": tokens[valid][None], "position_ids": positions[valid][None],
+                  # row boundaries: flash-attn's varlen kernels and VARLEN_SDPA read them
+                  "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+                  "max_length_q": longest, "max_length_k": longest}
         # flat[b, t]: where token (b, t) sits in the packed sequence (rows back to back)
         flat = torch.cumsum(valid.reshape(-1), 0).reshape(batch, width) - 1
     else:
@@ -124,14 +129,56 @@ def _plain_output_projection(model: torch.nn.Module) -> bool:
         "final_logit_softcapping", "logit_scale", "output_multiplier_scale"))
 
 
-def attention_implementation(device: torch.device, dtype: torch.dtype) -> str | None:
-    """``flash_attention_2`` (variable-length kernels for packed rows) on CUDA with a
-    half-precision model when the ``flash-attn`` package is installed; otherwise None:
-    transformers' default (SDPA), which handles packed rows with a block-diagonal mask."""
+VARLEN_SDPA = "lachesis_varlen_sdpa"
+"""transformers attention implementation (registered on import) for packed micro-batches
+without flash-attn: one causal SDPA call per row."""
+
+
+def _varlen_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                 dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """Attention of a packed ``[1, heads, N, d]`` batch row by row: with
+    ``cu_seq_lens_q = [0, l_1, l_1 + l_2, ...]`` (from :func:`sequence_logprobs`), row
+    ``i`` is ``causal_sdpa(q[s_i:e_i], k[s_i:e_i], v[s_i:e_i])``, so each token sees its
+    own row only, at a cost of ``sum_i l_i^2`` instead of the ``N^2`` of a block-diagonal
+    mask. Without row boundaries (a padded batch) it is transformers' SDPA. transformers
+    builds no mask for this implementation, so a padded batch runs causal without a
+    padding mask: exact for right-padded rows, whose real tokens precede their padding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+        kwargs.pop(name, None)
+    if bounds is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    edges = bounds.tolist()
+    rows = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                   None, dropout=dropout, scaling=scaling, is_causal=True)[0]
+            for s, e in zip(edges[:-1], edges[1:]) if e > s]
+    return torch.cat(rows, dim=1), None
+
+
+def _register_varlen_sdpa() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_SDPA, _varlen_sdpa)
+
+
+_register_varlen_sdpa()
+
+
+def attention_implementation(device: torch.device, dtype: torch.dtype,
+                             packing: bool = True) -> str | None:
+    """The attention for the trainer's model: with packing, ``flash_attention_2``
+    (variable-length kernels) on CUDA with a half-precision model when ``flash-attn`` is
+    installed, else :data:`VARLEN_SDPA`; without packing, None (transformers' default,
+    SDPA with a padding mask)."""
+    if not packing:
+        return None
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) \
             and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return None
+    return VARLEN_SDPA
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -264,7 +264,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
 
     # model, optimizer, and where a previous run stopped
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
-    attention = attention_implementation(device, dtype)
+    attention = attention_implementation(device, dtype, config.packing)
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint or config.model), dtype=dtype,
                                                  attn_implementation=attention).to(device)
     if config.activation_checkpointing:
