@@ -7,10 +7,12 @@ with Qwen2's vocabulary of 151,936 tokens and a small body (``--hidden`` 256, ``
 bfloat16 on CUDA. At this vocabulary the output projection and its log-softmax are what
 an RL step's memory is made of.
 
-Batch: one micro-batch of ``--lengths`` rows (default 640, 640, 576, 576, 512, 512, 480,
-160: 4,096 real tokens, lengths spread 4x, 5,120 tokens when right-padded; the padded
-full-logits step then peaks at ~12 GiB, which this shared 24 GiB machine can give, where
-1024 x 3, 512, 256 x 2 padded to 6,144 peaked at 15 GiB), random tokens, the
+Batch: one micro-batch of ``--lengths`` rows (default 7 x 568 and 120: 4,096 real
+tokens, lengths spread 4.7x, 4,544 tokens when right-padded: the padded full-logits step
+holds about four float32 ``[padded tokens, vocab]`` tensors at its peak, ~11 GiB here,
+and this machine's 24 GiB are shared; 1024 x 3, 512, 256 x 2 padded to 6,144 peaked at
+15 GiB and 640 x 2, 576 x 2, 512 x 2, 480, 160 padded to 5,120 at 12.5 GiB, which other
+processes' memory left no room for twice), random tokens, the
 first quarter of each row a masked prompt and the rest trained, random advantages and
 behaviour logprobs. A step is ``trainer.train.train_step`` as ``lachesis train`` runs it
 (RL clipped surrogate with TIS, token mean, grad-norm clip, AdamW whose state exists
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[640, 640, 576, 576, 512, 512, 480, 160])
+                        default=[568] * 7 + [120])
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
