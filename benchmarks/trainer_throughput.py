@@ -341,7 +341,8 @@ def find_longest(model, optimizer, config: TrainConfig, args, device: torch.devi
             batch = to_device(batch, device)
             batch.old_logprobs = torch.where(batch.mask, -1.0, 0.0).to(device)
             reset_peak_memory(device)
-            seconds, _ = timed(lambda: train_step(model, optimizer, batch, settings), device)
+            seconds, _ = timed(lambda b=batch, c=settings: train_step(model, optimizer, b, c),
+                               device)
         except torch.cuda.OutOfMemoryError:
             attempts.append({"seq_len": seq_len, "fits": False})
             optimizer.zero_grad(set_to_none=True)

@@ -15,7 +15,13 @@ from trainer.batch import plan_micro_batches
 from trainer.config import TrainConfig
 from trainer.logprobs import VARLEN_SDPA
 from trainer.losses import chunked_token_logprobs
-from trainer.train import Batch, batch_tensors, micro_batches, sequence_logprobs, train_step
+from trainer.train import (
+    Batch,
+    batch_tensors,
+    micro_batches,
+    sequence_logprobs,
+    train_step,
+)
 
 PADDED = {"packing": False, "micro_batch_size": 3, "logprob_chunk_size": None}
 PACKED = {"packing": True, "max_tokens_per_micro_batch": 40, "logprob_chunk_size": 5}
@@ -45,7 +51,7 @@ def test_plan_fills_a_token_budget_first_fit_decreasing_every_row_once():
 @pytest.mark.parametrize("attention", [VARLEN_SDPA, "sdpa", "eager"])
 @pytest.mark.parametrize("samples", ["sequence", "turn_prefix"])
 def test_packed_and_chunked_logprobs_equal_the_padded_ones(samples, attention):
-    batch, config = tensors(samples)
+    batch, _ = tensors(samples)
     lm = model(attention).eval()
     with torch.no_grad():
         padded = sequence_logprobs(lm, batch.tokens, batch.lengths)

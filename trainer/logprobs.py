@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import logging
+import itertools
 
 import torch
 from torch import Tensor
 
 from trainer.losses import chunked_token_logprobs, selected_logprobs, token_logprobs
-
-log = logging.getLogger("lachesis.train")
 
 LIGER_MIN_VERSION = (0, 8, 2)
 """Liger's fused linear cross entropy with ``reduction="none"`` multiplied every token's
@@ -154,7 +152,7 @@ def _varlen_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     edges = bounds.tolist()
     rows = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
                                    None, dropout=dropout, scaling=scaling, is_causal=True)[0]
-            for s, e in zip(edges[:-1], edges[1:]) if e > s]
+            for s, e in itertools.pairwise(edges) if e > s]
     return torch.cat(rows, dim=1), None
 
 
