@@ -14,8 +14,9 @@ One step:
    ``samples: turn_prefix``;
 3. at step 0, the alignment check: the trainer's logprobs of the sampled tokens must equal
    vLLM's recorded ones (mean absolute difference below ``alignment_tolerance``);
-4. forward/backward over micro-batches (gradients accumulate so the loss is the batch's
-   token mean or sequence mean), clip, AdamW step;
+4. forward/backward over micro-batches, packed to a token budget with logprobs computed
+   in chunks (gradients accumulate so the loss is the batch's token mean or sequence
+   mean), clip, AdamW step;
 5. every ``sync_every`` steps, load the new weights into the vLLM servers in place and
    post the new policy version to the rollout API;
 6. log metrics (JSONL, TensorBoard), checkpoint every ``checkpoint_every`` steps.
