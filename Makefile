@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench-api bench-rollout bench-trainer bench-report clean
+.PHONY: install test test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ bench-rollout: install
 
 bench-trainer: install
 	$(PY) benchmarks/trainer_throughput.py
+
+# Peak memory and tokens/s of padded vs. packed / chunked / checkpointed steps (~12 GiB peak).
+bench-trainer-memory: install
+	$(PY) benchmarks/trainer_memory.py --device cpu --json runs/trainer_memory_cpu.json
 
 bench-report: install
 	$(PY) benchmarks/report_scale.py

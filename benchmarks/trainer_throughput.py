@@ -52,11 +52,23 @@ skip about half of it. The log-softmax over the vocabulary and the optimizer are
 counted. MFU = achieved FLOP/s (with attention) / ``--peak-tflops`` (default 989 on CUDA,
 the H100 SXM dense bf16 peak; no default on the CPU, so no MFU there).
 
+The trainer runs with its defaults: packed micro-batches (``--micro-batch-size`` x
+``--seq-len`` tokens; ``--no-packing`` for right-padded rows), chunked logprobs
+(``--logprob-chunk-size``, 0 for full logits), and ``--activation-checkpointing`` when
+asked. ``--model qwen2.5-1.5b|3b|7b`` build those shapes (7B untied, vocabulary 152064).
+Also reported: the peak memory over both loops (``torch.cuda.max_memory_allocated`` on
+CUDA, the process's peak resident set on the CPU) and, with ``--find-longest LIMIT``,
+the longest single sequence (2x, 4x, ... ``--seq-len`` tokens, up to LIMIT, one micro-
+batch) a training step fits, stopping at the first CUDA out-of-memory.
+
 Run from the repo root with the project's Python:
     .venv/bin/python benchmarks/trainer_throughput.py                        # CPU: tiny model
     .venv/bin/python benchmarks/trainer_throughput.py --json out.json
     python benchmarks/trainer_throughput.py --device cuda                    # GPU: 0.5B, MFU
     python benchmarks/trainer_throughput.py --device cuda --peak-tflops 756  # H100 PCIe
+    python benchmarks/trainer_throughput.py --device cuda --model qwen2.5-7b --batch-size 2 \
+        --group-size 2 --micro-batch-size 1 --seq-len 4096 --activation-checkpointing \
+        --find-longest 32768                                             # 7B: 16k fits?
 (a CUDA build of torch is needed for the GPU mode; this project's venv is CPU-only).
 """
 
@@ -83,11 +95,15 @@ import torch.nn.functional as F  # noqa: E402
 from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory  # noqa: E402
 from trainer.batch import TrainBatch  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
+from trainer.logprobs import (  # noqa: E402
+    attention_implementation,
+    enable_activation_checkpointing,
+)
 from trainer.train import Batch, batch_tensors, sequence_logprobs, train_step  # noqa: E402
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.0
 
-# Qwen2.5-0.5B's shape (its config.json), random weights.
+# Qwen2.5 shapes (their config.json files), random weights.
 QWEN25_05B_SHAPE = dict(
     vocab_size=151936,
     hidden_size=896,
@@ -101,6 +117,17 @@ QWEN25_05B_SHAPE = dict(
     tie_word_embeddings=True,
     use_sliding_window=False,
 )
+QWEN25_SHAPES = {
+    "qwen2.5-0.5b": QWEN25_05B_SHAPE,
+    "qwen2.5-1.5b": {**QWEN25_05B_SHAPE, "hidden_size": 1536, "intermediate_size": 8960,
+                     "num_hidden_layers": 28, "num_attention_heads": 12},
+    "qwen2.5-3b": {**QWEN25_05B_SHAPE, "hidden_size": 2048, "intermediate_size": 11008,
+                   "num_hidden_layers": 36, "num_attention_heads": 16},
+    "qwen2.5-7b": {**QWEN25_05B_SHAPE, "vocab_size": 152064, "hidden_size": 3584,
+                   "intermediate_size": 18944, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "tie_word_embeddings": False},
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -108,7 +135,8 @@ QWEN25_05B_SHAPE = dict(
 # --------------------------------------------------------------------------- #
 
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path):
+def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path,
+                packing: bool = True):
     """``(model, description)`` on ``device`` in ``dtype``, in train mode."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
@@ -118,14 +146,18 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path):
         from lachesis.tiny_model import make_tiny_model
 
         path = make_tiny_model(tmp / "tiny")
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation=attention_implementation(
+                device, dtype, packing))
         description = "tiny Qwen2 (lachesis.tiny_model.make_tiny_model, random)"
-    elif name == "qwen2.5-0.5b":
-        config = Qwen2Config(**QWEN25_05B_SHAPE)
+    elif name in QWEN25_SHAPES:
+        config = Qwen2Config(**QWEN25_SHAPES[name])
+        config._attn_implementation = attention_implementation(device, dtype, packing) or "sdpa"
         torch.manual_seed(0)
         with torch.device(device):  # initialise on the device: fast, no 2 GB CPU copy
             model = Qwen2ForCausalLM(config)
-        description = "Qwen2.5-0.5B shape (Qwen2ForCausalLM from a config, random weights)"
+        description = (f"{name.replace('qwen', 'Qwen')} shape (Qwen2ForCausalLM from a config, "
+                       f"random weights, {config._attn_implementation} attention)")
     else:
         raise ValueError(f"unknown model {name!r}")
     model = model.to(device=device, dtype=dtype)
@@ -269,6 +301,62 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
     return time.perf_counter() - started, result
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: reset the peak resident set (VmHWM) to the current one
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak since :func:`reset_peak_memory`: allocated CUDA memory, or the process's
+    peak resident set on the CPU (everything it holds: model, optimizer, batch)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def find_longest(model, optimizer, config: TrainConfig, args, device: torch.device,
+                 vocab: int) -> dict:
+    """One training step on one sequence of ``seq_len * 2^k`` tokens (one micro-batch),
+    k = 1, 2, ... up to ``--find-longest`` tokens or the first CUDA out-of-memory."""
+    attempts, longest = [], None
+    seq_len = args.seq_len * 2
+    while seq_len <= args.find_longest:
+        one = argparse.Namespace(**{**vars(args), "seq_len": seq_len, "batch_size": 1,
+                                    "group_size": 1, "prompt_len": seq_len // 4})
+        settings = config.model_copy(update={
+            "batch_size": 1, "micro_batch_size": 1, "max_token_length": seq_len,
+            "max_tokens_per_micro_batch": max(seq_len, config.max_tokens_per_micro_batch)})
+        try:
+            batch, _ = batch_tensors(Batch(make_groups(one, vocab)), settings, vocab, 0)
+            batch = to_device(batch, device)
+            batch.old_logprobs = torch.where(batch.mask, -1.0, 0.0).to(device)
+            reset_peak_memory(device)
+            seconds, _ = timed(lambda b=batch, c=settings: train_step(model, optimizer, b, c),
+                               device)
+        except torch.cuda.OutOfMemoryError:
+            attempts.append({"seq_len": seq_len, "fits": False})
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            break
+        attempts.append({"seq_len": seq_len, "fits": True, "seconds": seconds,
+                         "peak_memory_gib": peak_memory_gib(device)})
+        print(f"  longest: {seq_len} tokens fit ({attempts[-1]['peak_memory_gib']:.2f} GiB)",
+              flush=True)
+        longest = seq_len
+        seq_len *= 2
+    return {"attempts": attempts, "longest_fitting": longest, "limit": args.find_longest}
+
+
 # --------------------------------------------------------------------------- #
 # Report
 # --------------------------------------------------------------------------- #
@@ -342,8 +430,15 @@ def print_report(report: dict) -> None:
           f"{m.get('ratio_mean', 0.0):.4f}, tis_weight_mean {m.get('tis_weight_mean', 0.0):.4f}, "
           f"approx_kl {m.get('approx_kl', 0.0):.2e}, "
           f"clip_fraction {m.get('clip_fraction', 0.0):.3f}")
-    if report.get("max_memory_allocated_gib") is not None:
-        print(f"peak GPU memory allocated: {report['max_memory_allocated_gib']:.1f} GiB")
+    print(f"peak memory over both loops ({report['peak_memory_measure']}): "
+          f"{report['peak_memory_gib']:.2f} GiB; trainer: {report['trainer']}")
+    longest = report.get("longest_sequence")
+    if longest:
+        for attempt in longest["attempts"]:
+            print(f"  one sequence of {attempt['seq_len']:>7,} tokens: "
+                  + (f"fits, peak {attempt['peak_memory_gib']:.2f} GiB, "
+                     f"{attempt['seconds']:.2f} s" if attempt["fits"] else "out of memory"))
+        print(f"longest sequence that fits (of those tried): {longest['longest_fitting']}")
     load = report["loadavg_start"], report["loadavg_end"]
     if load[0] is not None:
         print(f"load average (1 min) at start / end: {load[0][0]:.2f} / {load[1][0]:.2f} on "
@@ -361,7 +456,7 @@ def parse_args(argv=None):
                     "(tokens/s; FLOP/s and MFU).")
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="default: cuda when torch.cuda.is_available(), else cpu")
-    parser.add_argument("--model", choices=["tiny", "qwen2.5-0.5b"],
+    parser.add_argument("--model", choices=["tiny", *QWEN25_SHAPES],
                         help="default: qwen2.5-0.5b on cuda, tiny on cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="default: bfloat16 on cuda, float32 on cpu")
@@ -374,6 +469,20 @@ def parse_args(argv=None):
     parser.add_argument("--turns", type=int, default=3, help="assistant turns (trained)")
     parser.add_argument("--tool-len", type=int, default=64,
                         help="masked tool-result tokens between two turns")
+    parser.add_argument("--no-packing", action="store_true",
+                        help="right-padded micro-batches of --micro-batch-size rows (default: "
+                             "packed to --micro-batch-size x --seq-len tokens)")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int,
+                        help="token budget of a packed micro-batch (default: micro-batch "
+                             "size x seq len)")
+    parser.add_argument("--logprob-chunk-size", type=int, default=1024,
+                        help="chunked logprobs (0: full float32 logits)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--find-longest", type=int, metavar="LIMIT",
+                        help="after the timed rounds, train one sequence of 2x, 4x, ... "
+                             "--seq-len tokens (one micro-batch) up to LIMIT tokens or the "
+                             "first out-of-memory on CUDA; report the longest that fits "
+                             "and each one's peak memory")
     parser.add_argument("--steps", type=int, default=5, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--peak-tflops", type=float,
@@ -422,12 +531,20 @@ def main(argv=None) -> int:
     loadavg_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="lachesis-bench-") as tmp:
         print(f"building {args.model} on {args.device} ({args.dtype}) ...", flush=True)
-        model, description = build_model(args.model, device, dtype, Path(tmp))
+        model, description = build_model(args.model, device, dtype, Path(tmp),
+                                         packing=not args.no_packing)
     shape = model_shape(model)
-    config = TrainConfig(model=args.model, mode="rl", estimator="mt_grpo",
-                         batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                         max_token_length=args.seq_len, dtype=args.dtype, api_url=None,
-                         tensorboard=False, check_alignment=False)
+    config = TrainConfig(
+        model=args.model, mode="rl", estimator="mt_grpo", batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size, max_token_length=args.seq_len,
+        dtype=args.dtype, api_url=None, tensorboard=False, check_alignment=False,
+        packing=not args.no_packing,
+        max_tokens_per_micro_batch=(args.max_tokens_per_micro_batch
+                                    or args.micro_batch_size * args.seq_len),
+        logprob_chunk_size=args.logprob_chunk_size or None,
+        activation_checkpointing=args.activation_checkpointing)
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                   eps=config.adam_eps, weight_decay=config.weight_decay)
 
@@ -445,8 +562,7 @@ def main(argv=None) -> int:
     flops_attn = flops_6n + 12.0 * shape["layers"] * shape["d_attn"] * args.seq_len
     peak_flops = peak_tflops * 1e12 if peak_tflops else None
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     times: dict[str, list[float]] = {"train_step": [], "bare": []}
     last_metrics: dict = {}
     steps = {
@@ -469,8 +585,11 @@ def main(argv=None) -> int:
         print(f"  {label}: train_step {1000 * took['train_step']:.0f} ms, "
               f"bare {1000 * took['bare']:.0f} ms", flush=True)
 
+    peak_memory = peak_memory_gib(device)
     loops = {name: loop_numbers(times[name], batch_tokens, trained_tokens, flops_6n,
                                 flops_attn, peak_flops) for name in times}
+    longest = find_longest(model, optimizer, config, args, device, shape["vocab"]) \
+        if args.find_longest else None
     ratio = loops["train_step"]["total_tokens_per_s"] / loops["bare"]["total_tokens_per_s"]
     report = {
         "benchmark": "trainer_throughput",
@@ -500,8 +619,16 @@ def main(argv=None) -> int:
         "peak_source": peak_source if peak_tflops else None,
         "train_step_last_metrics": last_metrics,
         "batch_stats": stats,
+        "trainer": {"packing": config.packing,
+                    "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
+                    "logprob_chunk_size": config.logprob_chunk_size,
+                    "activation_checkpointing": config.activation_checkpointing},
         "max_memory_allocated_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                      if device.type == "cuda" else None),
+        "peak_memory_gib": peak_memory,
+        "peak_memory_measure": ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                                else "peak resident set of the process (VmHWM)"),
+        "longest_sequence": longest,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "loadavg_start": loadavg_start,

@@ -158,12 +158,12 @@ def test_masked_tokens_get_no_gradient(vllm_server, rollouts):
 
 
 @pytest.mark.parametrize("sharding,lora", [("replicate", False), ("fsdp", False),
-                                           ("replicate", True)])
+                                           ("fsdp+checkpointing", False), ("replicate", True)])
 def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollouts, tmp_path,
                                                               sharding, lora):
-    """torchrun, 2 CPU processes (gloo), full replicas or FSDP2 shards, or a LoRA adapter:
-    the weights after a step equal one process's (the batch of 7 leaves rank 1 a
-    micro-batch short)."""
+    """torchrun, 2 CPU processes (gloo), full replicas or FSDP2 shards (with activation
+    checkpointing too), or a LoRA adapter: the weights after a step equal one process's
+    (the batch of 7 leaves rank 1 a row short; packed micro-batches of at most 100 tokens)."""
     import subprocess
     import sys
 
@@ -174,7 +174,8 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
     data = tmp_path / "seven.jsonl"
     data.write_text("".join(json.dumps(g) + "\n" for g in groups))
     common = ["--model", str(vllm_server.model_dir), "--data", str(data), "--batch-size", "7",
-              "--micro-batch-size", "3", "--steps", "1", "--lr", "3e-3", "--tensorboard", "false",
+              "--max-tokens-per-micro-batch", "100", "--steps", "1", "--lr", "3e-3",
+              "--tensorboard", "false",
               "--check-alignment", "false", "--log-level", "WARNING",
               # Adam's first step is ~lr * sign(g): where g ~ 0 it turns float summation-order
               # noise into lr-sized differences. A large eps keeps the step linear in g there.
@@ -185,7 +186,8 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
     assert single.returncode == 0, single.stderr[-2000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port()), "-m", "lachesis.cli", "train"]
-    double = subprocess.run([*torchrun, *common, "--sharding", sharding,
+    extra = ["--activation-checkpointing", "true"] if "checkpointing" in sharding else []
+    double = subprocess.run([*torchrun, *common, "--sharding", sharding.split("+")[0], *extra,
                              "--run-dir", str(tmp_path / "double")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert double.returncode == 0, double.stderr[-3000:]

@@ -237,6 +237,35 @@ class TrainBatch:
                           lengths)
 
 
+def plan_micro_batches(lengths: Sequence[int], *, max_tokens: int | None = None,
+                       max_rows: int | None = None) -> list[list[int]]:
+    """Group rows (given their lengths) into micro-batches; returns row indices per
+    micro-batch, every row exactly once.
+
+    ``max_tokens`` (packing): first-fit decreasing on the row lengths: rows, longest
+    first, each go into the first micro-batch whose total stays ``<= max_tokens`` with
+    it, else into a new one; a row longer than ``max_tokens`` is a micro-batch alone.
+    ``max_rows`` (padding): runs of ``max_rows`` consecutive rows."""
+    if (max_tokens is None) == (max_rows is None):
+        raise ValueError("give exactly one of max_tokens and max_rows")
+    if max_rows is not None:
+        return [list(range(s, min(s + max_rows, len(lengths))))
+                for s in range(0, len(lengths), max_rows)]
+    plans: list[list[int]] = []
+    totals: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = int(lengths[row])
+        for k, total in enumerate(totals):
+            if total + n <= max_tokens:
+                plans[k].append(row)
+                totals[k] += n
+                break
+        else:
+            plans.append([row])
+            totals.append(n)
+    return [sorted(plan) for plan in plans]
+
+
 def pack(trajectories: Sequence[ScoredTrajectory | Sample], advantages: list, *,
          pad_id: int = 0, with_logprobs: bool = True) -> TrainBatch:
     """Right-pad trajectories (or :class:`Sample` rows) into one :class:`TrainBatch`

@@ -30,7 +30,20 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(default=64, ge=1)
     """Sequences per optimizer step."""
     micro_batch_size: int = Field(default=8, ge=1)
-    """Sequences per forward/backward; gradients accumulate over the batch."""
+    """Rows per forward/backward when ``packing`` is off; gradients accumulate over the
+    batch."""
+    packing: bool = True
+    """Padding-free micro-batches: rows are concatenated up to
+    ``max_tokens_per_micro_batch`` tokens, each attending only to itself
+    (``trainer.logprobs``); off: ``micro_batch_size`` right-padded rows."""
+    max_tokens_per_micro_batch: int = Field(default=16384, ge=8)
+    """Token budget of a packed micro-batch (a longer row is a micro-batch alone)."""
+    logprob_chunk_size: int | None = Field(default=1024, ge=1)
+    """Tokens per chunk of the output projection and log-softmax, recomputed in backward
+    (``trainer.losses.chunked_token_logprobs``); None: full float32 logits."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~1/3 more
+    compute); works with FSDP2."""
     max_token_length: int = Field(default=2048, ge=8)
     steps: int = Field(default=100, ge=1)
     lease_poll_s: float = Field(default=0.5, gt=0)
@@ -48,9 +61,10 @@ class TrainConfig(BaseModel):
     same logprob and advantage, so with ``token_mean`` the gradient is the same; it
     differs with ``sequence_mean`` (every turn weighs as a sequence). Costs ``sum_k
     end_k`` tokens of forward/backward per trajectory instead of its length (~N times for
-    N turns when the prompt dominates); ``micro_batch_size`` counts rows. A trajectory
-    with ``segment_starts`` gives one row per segment (per turn within each segment with
-    turn_prefix), its advantages computed on the whole trajectory
+    N turns when the prompt dominates); ``micro_batch_size`` counts rows, the packing
+    budget their tokens. A trajectory with ``segment_starts`` gives one row per segment
+    (per turn within each segment with turn_prefix), its advantages computed on the whole
+    trajectory
     (``trainer.batch.segment_samples``); with ``sequence_mean`` each segment weighs as a
     sequence."""
     # loss

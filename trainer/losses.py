@@ -50,10 +50,85 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match tokens "
                          f"{tuple(tokens.shape)} (expected [..., T, V] and [..., T])")
-    predicting = logits[..., :-1, :].float()
-    targets = tokens[..., 1:].long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-    picked = predicting.gather(-1, targets).squeeze(-1) - torch.logsumexp(predicting, dim=-1)
+    picked = selected_logprobs(logits[..., :-1, :], tokens[..., 1:])
     return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+
+
+def selected_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log softmax(logits)[..., targets]`` in float32: ``logits`` ``[..., V]`` and
+    ``targets`` ``[...]`` already paired (no shift); ids outside ``[0, V)`` are clamped."""
+    logits = logits.float()
+    targets = targets.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """Forward and backward of :func:`chunked_token_logprobs`, one chunk of rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                chunk_size: int) -> Tensor:
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = torch.nn.functional.linear(hidden[rows], weight, bias).float()
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(-1, targets[rows, None])[:, 0] - lse[rows]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
+        grad = grad.float()
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            logits = torch.nn.functional.linear(hidden[rows], weight, bias).float()
+            # d out_i / d logits_ij = [j == y_i] - softmax(logits_i)_j
+            dlogits = torch.exp(logits.sub_(lse[rows, None])).mul_(-grad[rows, None])
+            dlogits.scatter_add_(-1, targets[rows, None], grad[rows, None])
+            dlogits = dlogits.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = dlogits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(dlogits.t(), hidden[rows])
+            if grad_bias is not None:
+                grad_bias += dlogits.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
+                           chunk_size: int = 1024, bias: Tensor | None = None) -> Tensor:
+    """Log-probability of ``targets`` under the output projection of ``hidden``, without
+    ever holding the ``[N, V]`` logits of all rows (memory-bounded :func:`token_logprobs`).
+
+    ``hidden``: ``[N, H]`` final hidden states (the rows that predict a token),
+    ``weight``: ``[V, H]`` output projection (``bias``: ``[V]`` or None), ``targets``:
+    ``[N]`` token ids in ``[0, V)``. Returns ``[N]`` float32::
+
+        z_i   = hidden_i @ weight^T + bias            (float32 after the matmul)
+        out_i = z_i[targets_i] - logsumexp_j z_ij
+
+    Rows are processed ``chunk_size`` at a time: the forward keeps only the ``[N]``
+    logsumexps; the backward recomputes each chunk's logits and uses
+    ``d out_i / d z_ij = [j = targets_i] - softmax(z_i)_j``, so the peak extra memory is
+    a few ``[chunk_size, V]`` tensors instead of several ``[N, V]`` ones, for one more
+    output-projection matmul. Pure torch (CPU and GPU); the weight gradient accumulates in
+    the weight's dtype.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: "
+                         "expected [N, H] and [N]")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    targets = targets.long().clamp(0, weight.shape[0] - 1)
+    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, chunk_size)
 
 
 def _check_mask(mask: Tensor, like: Tensor) -> None:

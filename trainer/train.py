@@ -14,8 +14,9 @@ One step:
    ``samples: turn_prefix``;
 3. at step 0, the alignment check: the trainer's logprobs of the sampled tokens must equal
    vLLM's recorded ones (mean absolute difference below ``alignment_tolerance``);
-4. forward/backward over micro-batches (gradients accumulate so the loss is the batch's
-   token mean or sequence mean), clip, AdamW step;
+4. forward/backward over micro-batches, packed to a token budget with logprobs computed
+   in chunks (gradients accumulate so the loss is the batch's token mean or sequence
+   mean), clip, AdamW step;
 5. every ``sync_every`` steps, put the new weights into the vLLM servers in place (from
    disk, in memory, or as a LoRA adapter: ``weight_sync``) and post the new policy
    version (and the model name to request, with LoRA) to the rollout API;
@@ -40,6 +41,7 @@ from trainer.batch import (
     TrainBatch,
     check_group,
     pack,
+    plan_micro_batches,
     segment_samples,
     turn_prefix_samples,
 )
@@ -52,8 +54,13 @@ from trainer.distributed import (
     shard_model,
     uses_fsdp,
 )
+from trainer.logprobs import (
+    attention_implementation,
+    enable_activation_checkpointing,
+    sequence_logprobs,
+)
 from trainer.lora import apply_lora
-from trainer.losses import policy_loss, sft_loss, token_logprobs
+from trainer.losses import policy_loss, sft_loss
 from trainer.metrics import Metrics, Progress
 from trainer.sources import Batch, open_source
 from trainer.vllm_sync import PolicyServers
@@ -129,24 +136,30 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
     return pack(trajectories, advantages, pad_id=pad_id), stats
 
 
-def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor,
-                      lengths: torch.Tensor) -> torch.Tensor:
-    """``out[b, t] = log p(tokens[b, t] | tokens[b, <t])`` (0 at t = 0 and on padding)."""
-    positions = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-    lengths = lengths.to(tokens.device)
-    attention = (positions < lengths[:, None]).long()
-    logits = model(input_ids=tokens, attention_mask=attention).logits
-    return token_logprobs(logits, tokens)
+def micro_batches(batch: TrainBatch, config: TrainConfig) -> list[list[int]]:
+    """Rows of each micro-batch: packed up to ``max_tokens_per_micro_batch`` tokens, or
+    ``micro_batch_size`` rows at a time without packing."""
+    lengths = batch.lengths.tolist()
+    if config.packing:
+        return plan_micro_batches(lengths, max_tokens=config.max_tokens_per_micro_batch)
+    return plan_micro_batches(lengths, max_rows=config.micro_batch_size)
 
 
-def alignment_check(model: torch.nn.Module, batch: TrainBatch,
-                    micro_batch_size: int) -> float:
-    """Mean |trainer logprob - vLLM logprob| over the trained tokens of ``batch``."""
+def batch_logprobs(model: torch.nn.Module, mb: TrainBatch, config: TrainConfig) -> torch.Tensor:
+    """The model's logprobs of ``mb``'s trained tokens (``[B, T]``, 0 elsewhere), packed
+    and chunked as configured."""
+    return sequence_logprobs(model, mb.tokens, mb.lengths, packing=config.packing,
+                             chunk_size=config.logprob_chunk_size, where=mb.mask)
+
+
+def alignment_check(model: torch.nn.Module, batch: TrainBatch, config: TrainConfig) -> float:
+    """Mean |trainer logprob - vLLM logprob| over the trained tokens of ``batch``, computed
+    the way training computes them (micro-batches, packing, chunking)."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for start in range(0, len(batch.lengths), micro_batch_size):
-            mb = batch.slice(slice(start, start + micro_batch_size)).to(model.device)
-            logprobs = sequence_logprobs(model, mb.tokens, mb.lengths)
+        for rows in micro_batches(batch, config):
+            mb = batch.select(rows).to(model.device)
+            logprobs = batch_logprobs(model, mb, config)
             diff = (logprobs.float() - mb.old_logprobs).abs()[mb.mask]
             total += float(diff.sum())
             count += int(mb.mask.sum())
@@ -164,6 +177,7 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
     (all-reduce, or FSDP's reduce-scatter) gives exactly the single-process gradient.
     Under FSDP every rank runs the same number of forward/backward passes (each one
     gathers the sharded weights), padding with an empty micro-batch where it has fewer.
+    Micro-batches are packed to a token budget or cut by rows (:func:`micro_batches`).
     """
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -172,19 +186,19 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
     n_rows = len(batch.lengths)
     empty = batch.slice(slice(0, 1))
     empty.mask = torch.zeros_like(empty.mask)
-    if world > 1:
-        batch = batch.select(list(range(rank, n_rows, world)))
-    rows_per_rank = -(-n_rows // world) if sharded else len(batch.lengths)
+    shares = [batch.select(list(range(r, n_rows, world))) for r in range(world)] \
+        if world > 1 else [batch]
+    batch = shares[rank]
+    plan = micro_batches(batch, config)
+    passes = max(len(micro_batches(share, config)) for share in shares) if sharded \
+        else len(plan)
     totals: dict[str, float] = {}
-    for start in range(0, rows_per_rank, config.micro_batch_size):
-        mb = batch.slice(slice(start, start + config.micro_batch_size))
-        if len(mb.lengths) == 0:
-            mb = empty
-        mb = mb.to(model.device)
+    for i in range(passes):
+        mb = (batch.select(plan[i]) if i < len(plan) else empty).to(model.device)
         mb_tokens = int(mb.mask.sum())
         if mb_tokens == 0 and not sharded:
             continue
-        logprobs = sequence_logprobs(model, mb.tokens, mb.lengths).float()
+        logprobs = batch_logprobs(model, mb, config)
         if mb_tokens == 0:  # keeps this rank in step with the others' collectives
             (logprobs.sum() * 0.0).backward()
             continue
@@ -194,7 +208,7 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref = sequence_logprobs(ref_model, mb.tokens, mb.lengths).float()
+                    ref = batch_logprobs(ref_model, mb, config)
             loss, metrics = policy_loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.mask,
                 clip_low=config.clip_low, clip_high=config.clip_high, tis_cap=config.tis_cap,
@@ -255,12 +269,17 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
 
     # model, optimizer, and where a previous run stopped
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
+    attention = attention_implementation(device, dtype, config.packing)
     if config.lora is not None:  # the base model frozen, the adapter (resumed) trains
-        model = apply_lora(AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype),
-                           config.lora, checkpoint).to(device)
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=dtype, attn_implementation=attention), config.lora,
+            checkpoint).to(device)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint or config.model),
-                                                     dtype=dtype).to(device)
+                                                     dtype=dtype,
+                                                     attn_implementation=attention).to(device)
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
     sharded = uses_fsdp(config, world)
     if sharded:
         shard_model(model)
@@ -275,7 +294,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     warmup = config.warmup_steps
     ref_model = None
     if config.kl_coef > 0 and rl:
-        ref_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=dtype, attn_implementation=attention).to(device).eval()
         if sharded:
             shard_model(ref_model)
     serves = bool(config.vllm_urls or config.vllm_launch) and rl
@@ -307,7 +327,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             # 3. step 0: the trainer's logprobs must be vLLM's
             if step == start_step == 0 and config.check_alignment and rl \
                     and tensors is not None:
-                diff = alignment_check(model.eval(), tensors, config.micro_batch_size)
+                diff = alignment_check(model.eval(), tensors, config)
                 summary["alignment_mean_abs_diff"] = diff
                 log.info("alignment check: mean |trainer - vLLM| logprob = %.2e over %d tokens",
                          diff, tensors.n_tokens)
