@@ -331,3 +331,20 @@ def test_check_command_passes_on_real_rollouts_and_catches_an_off_by_one(vllm_se
             writer.append(group)
     bad = check(shifted)
     assert bad.returncode == 1 and "AlignmentError" in bad.stderr and "do not line up" in bad.stderr
+
+
+def test_lora_settings_are_checked_with_the_key_named(tiny_model_dir):
+    from trainer.lora import LoraSettings, apply_lora
+
+    with pytest.raises(ValidationError, match="weight_sync: lora needs a `lora` section"):
+        TrainConfig(model="m", weight_sync="lora")
+    with pytest.raises(ValidationError, match="weight_sync must be lora or auto, not disk"):
+        TrainConfig(model="m", lora={"rank": 8}, weight_sync="disk")
+    with pytest.raises(ValidationError, match="rank"):
+        TrainConfig(model="m", lora={"rank": 0})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"lora.target_modules \['qkv'\]"):
+        apply_lora(model, LoraSettings(target_modules=["qkv"]))
+    adapted = apply_lora(model, LoraSettings(rank=4, target_modules=["q_proj"]))
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
