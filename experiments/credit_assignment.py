@@ -85,18 +85,24 @@ def warm_start(args: argparse.Namespace) -> str:
     return Supervisor(config, live=False).prepare_model()
 
 
+def arm_config(args: argparse.Namespace, model: str, arm: str, seed: int, *,
+               evaluate_before: bool = True) -> RunConfig:
+    """One run of the experiment: the config's settings with the arm's and the seed's."""
+    values = base_config(args)
+    values.update(name=f"{arm}-seed{seed}", model=model, warm_start=None,
+                  build_tiny_model=False, evaluate_before=evaluate_before)
+    values["train"].update(**ARMS[arm][1], seed=seed)
+    values["envs"][0]["settings"]["seed"] = 1000 + seed  # the same items for every arm
+    return RunConfig.model_validate(values)
+
+
 def one_run(args: argparse.Namespace, model: str, arm: str, seed: int, *,
             evaluate_before: bool) -> dict[str, Any]:
     name = f"{arm}-seed{seed}"
     run_dir = args.runs_dir / name
     if (run_dir / "summary.json").exists():  # finished earlier: reuse
         return json.loads((run_dir / "summary.json").read_text())
-    values = base_config(args)
-    values.update(name=name, model=model, warm_start=None, build_tiny_model=False,
-                  evaluate_before=evaluate_before)
-    values["train"].update(**ARMS[arm][1], seed=seed)
-    values["envs"][0]["settings"]["seed"] = 1000 + seed  # the same items for every arm
-    summary = run_quietly(RunConfig.model_validate(values))
+    summary = run_quietly(arm_config(args, model, arm, seed, evaluate_before=evaluate_before))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
