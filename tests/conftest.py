@@ -54,6 +54,17 @@ async def running_api(**settings):
         await server.close()
 
 
+def load_script(relative: str):
+    """A script of the repository (``benchmarks/x.py``, ``experiments/y.py``) as a module."""
+    import importlib.util
+
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(coro):
     return asyncio.run(coro)
 

@@ -4,7 +4,6 @@ one (which cannot run here: no GPU, no Hub) is a valid ``lachesis run`` config."
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def experiment():
-    spec = importlib.util.spec_from_file_location(
-        "credit_assignment", REPO / "experiments" / "credit_assignment.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("experiments/credit_assignment.py")
 
 
 @pytest.mark.parametrize("config", ["credit_assignment.yaml", "credit_assignment_gpu.yaml"])

@@ -4,14 +4,12 @@ the env's report, and the report in a real (headless) Chromium."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import re
 import shutil
 import tracemalloc
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
 from environments.inspection.data import (
@@ -223,11 +221,9 @@ def test_segmented_trajectory_loads_and_shows_where_a_segment_starts(tmp_path, c
 
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "report_scale", REPO / "benchmarks" / "report_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("benchmarks/report_scale.py")
 
 
 def test_report_of_a_large_file_streams_with_bounded_memory(tmp_path):

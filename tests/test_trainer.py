@@ -37,12 +37,11 @@ class LetterEEnv(BaseEnv):
         return text.count("e") / max(1, len(text)) + 0.01 * len(text)
 
 
-@pytest.fixture(scope="module")
-def rollouts(vllm_server, tmp_path_factory):
-    """4 groups x 4 trajectories sampled by the real vLLM server, as JSONL."""
-    out = tmp_path_factory.mktemp("rollouts") / "groups.jsonl"
-    config = EnvConfig(tokenizer=str(vllm_server.model_dir), inference_servers=[vllm_server.url],
-                       group_size=4, max_turns=1, max_tokens_per_turn=24, max_token_length=256)
+def collect_rollouts(server, out, **settings):
+    """4 groups x 4 single-turn ``LetterEEnv`` trajectories sampled by ``server``, as JSONL."""
+    config = EnvConfig(tokenizer=str(server.model_dir), inference_servers=[server.url],
+                       group_size=4, max_turns=1, max_tokens_per_turn=24, max_token_length=256,
+                       **settings)
 
     async def collect():
         env = LetterEEnv(config)
@@ -54,6 +53,12 @@ def rollouts(vllm_server, tmp_path_factory):
 
     asyncio.run(collect())
     return out
+
+
+@pytest.fixture(scope="module")
+def rollouts(vllm_server, tmp_path_factory):
+    """4 groups x 4 trajectories sampled by the real vLLM server, as JSONL."""
+    return collect_rollouts(vllm_server, tmp_path_factory.mktemp("rollouts") / "groups.jsonl")
 
 
 def vllm_logprobs(server, tokens: list[int]) -> torch.Tensor:

@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from environments import EnvConfig
 from environments.inference import weight_transfer as gloo
 from environments.inference.vllm_process import VLLMProcess
 from trainer.config import TrainConfig
@@ -46,23 +45,10 @@ def server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollouts(server, tmp_path_factory):
     """4 groups x 4 single-turn trajectories sampled by the server's base model."""
-    from test_trainer import LetterEEnv
+    from test_trainer import collect_rollouts
 
-    out = tmp_path_factory.mktemp("rollouts") / "groups.jsonl"
-    config = EnvConfig(tokenizer=str(server.model_dir), inference_servers=[server.url],
-                       model="tiny", group_size=4, max_turns=1, max_tokens_per_turn=24,
-                       max_token_length=256)
-
-    async def collect():
-        env = LetterEEnv(config)
-        await env.start()
-        try:
-            await env.process(out, 4)
-        finally:
-            await env.close()
-
-    asyncio.run(collect())
-    return out
+    return collect_rollouts(server, tmp_path_factory.mktemp("rollouts") / "groups.jsonl",
+                            model="tiny")
 
 
 def train_config(tmp_path, server, **settings) -> TrainConfig:
