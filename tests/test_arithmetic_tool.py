@@ -102,3 +102,34 @@ def test_easy_items_can_be_answered_without_the_tool():
                       turns=[turn(messages[-1]["content"])])
     assert env.compute_turn_rewards(direct[0], rollout) == [1.0]
     assert env.rollout_metrics(direct[0], rollout, [1.0])["direct_answer"] == 1.0
+
+
+def test_a_careless_demonstrator_slips_one_digit_and_earns_what_it_did():
+    """``oracle_slip_fraction``: that share of the demonstrations calls the calculator with
+    one operand digit mistyped and copies the (wrong) result; the rewards score the slip as
+    what it is, a wrong call and a wrong answer. The same item always gets the same one."""
+    env = ArithmeticToolEnv(ArithmeticToolConfig(seed=5, oracle_slip_fraction=0.4,
+                                                 operators=["+", "-", "*", "//", "%"]))
+    items = [asyncio.run(env.get_next_item()) for _ in range(1000)]
+    slipped = 0
+    for item in items:
+        messages = env.oracle_messages(item)
+        assert messages == env.oracle_messages(item)
+        [call] = get_parser("hermes").parse(messages[2]["content"]).calls
+        typed = call.arguments["expression"]
+        result = evaluate_expression(typed)  # it runs: no leading zero, no zero divisor
+        assert messages[3]["content"] == str(result)
+        assert messages[4]["content"] == f"<answer>{result}</answer>"
+        if typed == item["expression"]:
+            continue
+        slipped += 1
+        diff = [(a, b) for a, b in zip(typed, item["expression"]) if a != b]
+        assert len(typed) == len(item["expression"]) and len(diff) == 1 and diff[0][0].isdigit()
+        rollout = Rollout(messages=messages, tools=None, stop="answer", turns=[
+            turn(messages[2]["content"], [call], results=[messages[3]["content"]]),
+            turn(messages[4]["content"])])
+        expected_outcome = 1.0 if result == item["answer"] else 0.1  # 3 * 0 = 3 * 5
+        assert env.compute_turn_rewards(item, rollout) == [0.0, expected_outcome]
+    assert 0.35 < slipped / len(items) < 0.45
+    careful = ArithmeticToolEnv(ArithmeticToolConfig(seed=5))  # the default: no slips
+    assert all(f'"{i["expression"]}"' in careful.oracle_messages(i)[2]["content"] for i in items)

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import ast
 import operator
-import zlib
+import random
 import re
+import zlib
 from typing import Any
 
 from pydantic import Field
@@ -75,6 +76,24 @@ def evaluate_expression(expression: str) -> int:
     return value(tree.body)
 
 
+def mistype(expression: str, rng: random.Random) -> str:
+    """``expression`` with one digit of one operand replaced by another digit (no leading
+    zero, no zero divisor): a demonstrator's slip."""
+    parts = expression.split(" ")
+    while True:
+        i = rng.randrange(0, len(parts), 2)  # operands sit at even positions
+        j = rng.randrange(len(parts[i]))
+        digits = [d for d in "0123456789"
+                  if d != parts[i][j] and (d != "0" or j > 0 or len(parts[i]) == 1)]
+        typo = parts[i][:j] + rng.choice(digits) + parts[i][j + 1:]
+        mistyped = " ".join([*parts[:i], typo, *parts[i + 1:]])
+        try:
+            evaluate_expression(mistyped)
+        except ValueError:  # a zero divisor: mistype another digit
+            continue
+        return mistyped
+
+
 @tool(inline=True)  # microseconds of pure Python: no worker thread
 def calculator(expression: str) -> str:
     """Evaluate an integer arithmetic expression.
@@ -98,6 +117,10 @@ class ArithmeticToolConfig(EnvConfig):
     easy_max_operand: int = Field(default=9, ge=1)
     oracle_direct_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     """Share of the easy items whose demonstration answers directly, without the tool."""
+    oracle_slip_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of the demonstrations whose calculator call has a slip: one digit of one
+    operand mistyped; the tool result and the answer then follow the mistyped expression
+    (an imperfect demonstrator, which RL can improve on)."""
 
 
 class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
@@ -136,8 +159,6 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
         return item
 
     async def eval_items(self) -> list[dict[str, Any]]:
-        import random
-
         rng = random.Random(f"eval-{self.config.seed}")  # disjoint from training draws
         items = [self.make_item(i, rng) for i in range(self.config.eval_items)]
         for item in items:
@@ -149,20 +170,27 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
                 {"role": "user", "content": item["question"]}]
 
     def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        """A correct demonstration (for SFT warm starts), in the format the loop produces:
-        the calculator call, its result and the answer, or, for the share
-        ``oracle_direct_fraction`` of easy items (chosen by a hash of the item id), the
-        answer at once."""
+        """A demonstration (for SFT warm starts), in the format the loop produces: the
+        calculator call, its result and the answer, or, for the share
+        ``oracle_direct_fraction`` of easy items, the answer at once. For the share
+        ``oracle_slip_fraction`` the call has a slip (:func:`mistype`) and the result and
+        answer follow it. Both choices hash the item id, so they are the same every time."""
         answer = {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}
         if item.get("easy") and (zlib.crc32(item["id"].encode()) / 2**32
                                  < self.config.oracle_direct_fraction):
             return [*self.prompt_messages(item), answer]
+        expression, result = item["expression"], item["answer"]
+        slips = random.Random(f"slip:{item['id']}")
+        if slips.random() < self.config.oracle_slip_fraction:
+            expression = mistype(expression, slips)
+            result = evaluate_expression(expression)
+            answer = {"role": "assistant", "content": f"<answer>{result}</answer>"}
         call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
-                + item["expression"] + '"}}\n</tool_call>')
+                + expression + '"}}\n</tool_call>')
         return [*self.prompt_messages(item),
                 {"role": "assistant", "content": call},
                 {"role": "tool", "name": "calculator", "tool_call_id": "call_0",
-                 "content": str(item["answer"])},
+                 "content": str(result)},
                 answer]
 
     @staticmethod
