@@ -65,6 +65,16 @@ def load_script(relative: str):
     return module
 
 
+def train_check(model_dir, data, run_dir, batch_size: int) -> subprocess.CompletedProcess:
+    """``lachesis train --check`` on the groups in ``data``: the trainer recomputes every
+    sampled token's logprob and prints the alignment summary (JSON) on stdout."""
+    return subprocess.run(
+        [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model", str(model_dir),
+         "--data", str(data), "--batch-size", str(batch_size), "--run-dir", str(run_dir),
+         "--tensorboard", "false", "--log-level", "WARNING"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
 def run(coro):
     return asyncio.run(coro)
 

@@ -21,7 +21,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import REPO, free_port, running_api
+from conftest import REPO, free_port, running_api, train_check
 from third_party import openenv_python, verifiers_python
 
 from environments.adapters.openenv_env import OpenEnvConfig, OpenEnvEnv, OpenEnvError
@@ -268,11 +268,7 @@ def test_both_adapters_keep_the_exact_sampled_tokens(vllm_server, verifiers_env_
     groups = list(read_groups(out))
     assert [g.env.split("-")[0] for g in groups] == ["verifiers", "openenv"]
     assert max(len(t.turn_spans) for g in groups for t in g.trajectories) >= 2
-    check = subprocess.run(
-        [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
-         str(vllm_server.model_dir), "--data", str(out), "--batch-size", "3",
-         "--run-dir", str(tmp_path / "check"), "--tensorboard", "false",
-         "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    check = train_check(vllm_server.model_dir, out, tmp_path / "check", batch_size=3)
     assert check.returncode == 0, check.stderr[-2000:]
     assert json.loads(check.stdout)["alignment_mean_abs_diff"] < 1e-3
 

@@ -10,7 +10,7 @@ import sys
 import uuid
 
 import pytest
-from conftest import REPO
+from conftest import REPO, train_check
 from sandbox_fixtures import docker_image, host_processes_mentioning  # noqa: F401
 
 from environments import BaseEnv, TurnLevelRewardMixin
@@ -115,11 +115,7 @@ def test_agent_runs_in_the_sandbox_and_its_trajectories_pass_the_trainer_alignme
         assert "messages[0]" in t.metadata["segments"][1]["reason"]
 
     # the trainer recomputes every sampled token's logprob, each segment as its own context
-    check = subprocess.run(
-        [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
-         str(vllm_server.model_dir), "--data", str(out), "--batch-size", "6",
-         "--run-dir", str(tmp_path / "run"), "--tensorboard", "false",
-         "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    check = train_check(vllm_server.model_dir, out, tmp_path / "run", batch_size=6)
     assert check.returncode == 0, check.stderr[-2000:]
     assert json.loads(check.stdout)["alignment_mean_abs_diff"] < 1e-3
 

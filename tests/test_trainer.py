@@ -312,17 +312,10 @@ def test_launched_vllm_is_restarted_with_the_latest_weights_when_it_dies(vllm_se
 
 
 def test_check_command_passes_on_real_rollouts_and_catches_an_off_by_one(vllm_server, rollouts, tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import REPO
+    from conftest import train_check
 
     def check(data):
-        return subprocess.run(
-            [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
-             str(vllm_server.model_dir), "--data", str(data), "--batch-size", "8",
-             "--run-dir", str(tmp_path / "run"), "--tensorboard", "false",
-             "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        return train_check(vllm_server.model_dir, data, tmp_path / "run", batch_size=8)
 
     good = check(rollouts)
     assert good.returncode == 0, good.stderr[-2000:]
