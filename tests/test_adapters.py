@@ -159,19 +159,22 @@ def test_verifiers_evaluate_keeps_the_env_turn_cap_and_refuses_what_it_cannot_ru
 # -- OpenEnv -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def openenv_server():
+def openenv_server(tmp_path_factory):
     """The guess-a-digit server (tests/adapter_envs/openenv_guess_server.py), made with
-    openenv-core's create_app, as a real uvicorn process allowing ONE session at a time."""
+    openenv-core's create_app, as a real uvicorn process allowing ONE session at a time.
+    Its log goes to a file: an unread pipe fills up with access lines and blocks it."""
     port = free_port()
-    process = subprocess.Popen(
-        [str(openenv_python()), "-m", "uvicorn", "openenv_guess_server:app", "--port", str(port)],
-        cwd=ADAPTER_ENVS, env={**os.environ, "GUESS_MAX_SESSIONS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path_factory.mktemp("openenv") / "server.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(openenv_python()), "-m", "uvicorn", "openenv_guess_server:app", "--port",
+             str(port)], cwd=ADAPTER_ENVS, env={**os.environ, "GUESS_MAX_SESSIONS": "1"},
+            stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"OpenEnv server exited: {process.stdout.read().decode()[-3000:]}")
+            raise RuntimeError(f"OpenEnv server exited: {log.read_text()[-3000:]}")
         try:
             urllib.request.urlopen(url + "/schema", timeout=1)
             break
@@ -182,7 +185,11 @@ def openenv_server():
             time.sleep(0.3)
     yield url
     process.terminate()
-    process.wait(10)
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:  # still closing sessions: it has had its chance
+        process.kill()
+        process.wait()
 
 
 def test_an_openenv_server_serves_step_rewards_as_turn_scores_that_the_trainer_leases(

@@ -82,8 +82,10 @@ def test_lora_trains_only_the_adapter_and_vllm_serves_each_version_as_the_traine
     base = AutoModelForCausalLM.from_pretrained(server.model_dir)
     trained = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(server.model_dir), checkpoint)
-    assert gap(server, "tiny-lora-v000002", trained) < TOLERANCE
-    assert gap(server, "tiny-lora-v000002", base) > 10 * TOLERANCE  # the adapter matters
+    served_gap = gap(server, "tiny-lora-v000002", trained)
+    assert served_gap < TOLERANCE
+    # the adapter matters: the served model is far nearer the trained one than the base
+    assert gap(server, "tiny-lora-v000002", base) > max(TOLERANCE, 10 * served_gap)
     assert gap(server, "tiny", base) < TOLERANCE  # the base model is untouched
 
     # Resuming picks the adapter up again and trains on from it.
