@@ -175,23 +175,22 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
         ``oracle_direct_fraction`` of easy items, the answer at once. For the share
         ``oracle_slip_fraction`` the call has a slip (:func:`mistype`) and the result and
         answer follow it. Both choices hash the item id, so they are the same every time."""
-        answer = {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}
         if item.get("easy") and (zlib.crc32(item["id"].encode()) / 2**32
                                  < self.config.oracle_direct_fraction):
-            return [*self.prompt_messages(item), answer]
-        expression, result = item["expression"], item["answer"]
+            return [*self.prompt_messages(item),
+                    {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}]
+        expression = item["expression"]
         slips = random.Random(f"slip:{item['id']}")
         if slips.random() < self.config.oracle_slip_fraction:
             expression = mistype(expression, slips)
-            result = evaluate_expression(expression)
-            answer = {"role": "assistant", "content": f"<answer>{result}</answer>"}
+        result = evaluate_expression(expression)
         call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
                 + expression + '"}}\n</tool_call>')
         return [*self.prompt_messages(item),
                 {"role": "assistant", "content": call},
                 {"role": "tool", "name": "calculator", "tool_call_id": "call_0",
                  "content": str(result)},
-                answer]
+                {"role": "assistant", "content": f"<answer>{result}</answer>"}]
 
     @staticmethod
     def outcome_score(text: str, answer: int) -> float:
