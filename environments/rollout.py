@@ -96,7 +96,8 @@ class Rollout:
     n_prompt_tokens: int = 0
     segment_starts: list[int] = field(default_factory=list)
     """Where a new context begins in ``tokens`` (the interception proxy, when an agent
-    edited its history); empty: one context."""
+    edited its history; the agent loop with ``reasoning_history: rerender``); empty: one
+    context."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What an env records during the rollout for its reward hooks (e.g. a file the agent
     left in its sandbox); not part of the trajectory."""
@@ -119,6 +120,11 @@ class Rollout:
     @property
     def final_text(self) -> str:
         return self.turns[-1].text if self.turns else ""
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens the model is given for its next turn: those of the last segment."""
+        return self.tokens[self.segment_starts[-1]:] if self.segment_starts else self.tokens
 
     def append(self, token_ids: list[int], *, sampled: bool,
                logprobs: list[float] | None = None) -> None:

@@ -11,9 +11,17 @@
   (AutoTokenizer forces `Qwen2Tokenizer`), encoding NFC-normalizes: decode(encode(t)) ==
   unicodedata.normalize("NFC", t), i.e. any NFC text round-trips exactly;
 - a prefix-preserving ChatML chat template with Qwen2.5/Hermes-style tool calling;
-- a seeded random `Qwen2ForCausalLM` (float32, untied embeddings, head_dim 64). Untied
-  because vLLM 0.32's in-place `reload_weights` leaves `lm_head` stale when the output
-  embedding is tied to the input one (measured: logprobs off by O(10) after a sync).
+- a seeded random model of one of three architecture families (``family``): Qwen2
+  (``Qwen2ForCausalLM``, the default), Qwen3 (``Qwen3ForCausalLM``: q/k norms, explicit
+  head_dim) or Llama (``LlamaForCausalLM``, with a Llama-3-style tokenizer and template:
+  ``<|begin_of_text|>``, ``<|start_header_id|>role<|end_header_id|>``, ``<|eot_id|>``);
+  float32, head_dim 64, the output embedding tied to the input one on request (``tied``;
+  Qwen2.5 0.5B-3B, Qwen3 0.6B-4B and Llama-3.2 tie theirs). The default stays untied, as
+  the quickstart's model was built.
+- ``template="thinking"``: ChatML whose re-rendering drops the ``<think>...</think>``
+  reasoning of every assistant turn that is not the conversation's last message, as
+  Qwen3's and QwQ's templates do (the default for ``family="qwen3"``). It is not
+  prefix-preserving: see ``reasoning_history`` in docs/environments.md.
 
 Heavy imports (torch, transformers, tokenizers) happen inside the functions.
 """
@@ -98,8 +106,49 @@ COMPACT_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TOOLS_BLOCK, (
     "{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"))
 
 
-def build_tokenizer():
-    """The byte-level tokenizer, as a `transformers.PreTrainedTokenizerFast`.
+# ChatML that drops earlier turns' reasoning when it re-renders a conversation, as Qwen3's
+# template drops the <think> blocks of assistant turns before the last user query (and
+# QwQ's, DeepSeek-R1's of every earlier turn): an assistant message keeps its
+# <think>...</think> block only when it is the conversation's last message. So rendering
+# [.., assistant] shows the reasoning the model sampled, and rendering [.., assistant, tool]
+# no longer does: not prefix-preserving.
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{- '<|im_start|>assistant\\n' + content }}",
+    "{%- if not loop.last and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content }}")
+assert THINKING_CHAT_TEMPLATE != CHAT_TEMPLATE
+
+# Llama-3 style: a begin-of-text token, role headers, <|eot_id|> ends every turn (the
+# eos). Tools render as in the ChatML template (Hermes-style <tool_call> blocks), so
+# the same tool parser reads them; each tool result is its own `ipython`-less user block.
+BEGIN_OF_TEXT = "<|begin_of_text|>"
+END_OF_TEXT = "<|end_of_text|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+EOT = "<|eot_id|>"
+LLAMA_SPECIAL_TOKENS = (BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, EOT)
+LLAMA_CHAT_TEMPLATE = (
+    CHAT_TEMPLATE
+    .replace("{%- if tools and messages | length > 0 %}",
+             "{{- bos_token }}{%- if tools and messages | length > 0 %}", 1)
+    .replace("'<|im_start|>system\\n'", "'<|start_header_id|>system<|end_header_id|>\\n\\n'")
+    .replace("'<|im_start|>user\\n<tool_response>", "'<|start_header_id|>user<|end_header_id|>\\n\\n<tool_response>")
+    .replace("'<|im_start|>assistant\\n'", "'<|start_header_id|>assistant<|end_header_id|>\\n\\n'")
+    .replace("'<|im_start|>' + message.role + '\\n'", "'<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n'")
+    .replace("<|im_end|>\\n", EOT)  # Llama-3 puts nothing between a turn and the next header
+)
+assert "<|im_" not in LLAMA_CHAT_TEMPLATE
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+TEMPLATES = ("chatml", "thinking", "compact", "llama")
+
+
+def build_tokenizer(family: str = "qwen2", template: str | None = None):
+    """The byte-level tokenizer of ``family``'s specials, as a
+    `transformers.PreTrainedTokenizerFast` with ``template`` (one of :data:`TEMPLATES`;
+    None: the family's own, ChatML or Llama-3 style).
 
     Its pipeline mirrors what `transformers` 5.x rebuilds for any `model_type: qwen2`
     checkpoint (AutoTokenizer forces `Qwen2Tokenizer`, which replaces the normalizer and
@@ -113,7 +162,19 @@ def build_tokenizer():
     assert sorted(byte_to_symbol.values()) == sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {byte_to_symbol[b]: b for b in range(256)}  # id == byte value for ids 0..255
     tok = _with_qwen_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False)))
-    return _chat_tokenizer(tok, CHAT_TEMPLATE)
+    return _chat_tokenizer(tok, _template(family, template), family)
+
+
+def _template(family: str, template: str | None) -> str:
+    if template is None:
+        template = {"llama": "llama", "qwen3": "thinking"}.get(family, "chatml")
+    if template not in TEMPLATES:
+        raise ValueError(f"template: {template!r} is not one of {', '.join(TEMPLATES)}")
+    if (template == "llama") != (family == "llama"):
+        raise ValueError(f"template {template!r} does not fit family {family!r}: the Llama "
+                         "template needs the Llama family's special tokens and vice versa")
+    return {"chatml": CHAT_TEMPLATE, "thinking": THINKING_CHAT_TEMPLATE,
+            "compact": COMPACT_CHAT_TEMPLATE, "llama": LLAMA_CHAT_TEMPLATE}[template]
 
 
 def _with_qwen_pipeline(tok):
@@ -129,21 +190,25 @@ def _with_qwen_pipeline(tok):
     return tok
 
 
-def _chat_tokenizer(tok, chat_template: str):
-    """``tok`` with the ChatML specials and tool tags added, as a
-    `transformers.PreTrainedTokenizerFast` with ``chat_template``."""
+def _chat_tokenizer(tok, chat_template: str, family: str = "qwen2"):
+    """``tok`` with the family's special tokens and the tool tags added, as a
+    `transformers.PreTrainedTokenizerFast` with ``chat_template``: ChatML specials for
+    Qwen (eos ``<|im_end|>``), Llama-3's for ``llama`` (bos ``<|begin_of_text|>``, eos
+    ``<|eot_id|>``, pad ``<|end_of_text|>``)."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    llama = family == "llama"
+    specials = LLAMA_SPECIAL_TOKENS if llama else SPECIAL_TOKENS
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        bos_token=None,
+        eos_token=EOT if llama else IM_END,
+        pad_token=END_OF_TEXT if llama else ENDOFTEXT,
+        bos_token=BEGIN_OF_TEXT if llama else None,
         unk_token=None,
-        extra_special_tokens=[IM_START],
+        extra_special_tokens=[START_HEADER, END_HEADER] if llama else [IM_START],
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
     )
@@ -216,24 +281,39 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
                     num_heads: int = 2, num_kv_heads: int = 1,
                     max_position_embeddings: int = 4096,
                     intermediate_size: int | None = None, tokenizer: str = "bytes",
-                    vocab_size: int = 512) -> Path:
-    """Write tokenizer + chat template + seeded random Qwen2 model to `out_dir`.
+                    vocab_size: int = 512, family: str = "qwen2", tied: bool = False,
+                    template: str | None = None) -> Path:
+    """Write tokenizer + chat template + seeded random model to `out_dir`.
 
     ``tokenizer``: one of :data:`TOKENIZERS`; ``vocab_size``: the learned vocabulary's
-    size for ``arithmetic`` (merges stop earlier when the corpus has no more pairs)."""
+    size for ``arithmetic`` (merges stop earlier when the corpus has no more pairs);
+    ``family``: one of :data:`FAMILIES`; ``tied``: the output embedding is the input
+    one; ``template``: one of :data:`TEMPLATES` (None: the family's own; ``compact`` for
+    the ``arithmetic`` tokenizer)."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer: {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
+    if family not in FAMILIES:
+        raise ValueError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
+    if tokenizer == "arithmetic" and family == "llama":
+        raise ValueError("the arithmetic tokenizer has ChatML specials: use family qwen2 "
+                         "or qwen3 with it")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer() if tokenizer == "bytes" else \
-        build_task_tokenizer(arithmetic_corpus(seed=seed), vocab_size)
-    im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    endoftext = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    if tokenizer == "bytes":
+        tokenizer = build_tokenizer(family, template)
+    else:
+        tokenizer = build_task_tokenizer(arithmetic_corpus(seed=seed), vocab_size)
+        if template not in (None, "compact"):
+            tokenizer.chat_template = _template(family, template)
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    pad = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+    bos = tokenizer.convert_tokens_to_ids(tokenizer.bos_token) if tokenizer.bos_token else None
 
-    config = Qwen2Config(
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -241,18 +321,24 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,  # see the module docstring: in-place weight sync
-        use_sliding_window=False,
-        bos_token_id=None,
-        eos_token_id=im_end,
-        pad_token_id=endoftext,
+        tie_word_embeddings=tied,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
+    if family == "qwen2":
+        config = Qwen2Config(**shape, use_sliding_window=False)
+    elif family == "qwen3":
+        config = Qwen3Config(**shape, head_dim=hidden_size // num_heads,
+                             use_sliding_window=False)
+    else:
+        config = LlamaConfig(**shape, head_dim=hidden_size // num_heads)
     config.dtype = "float32"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.generation_config = GenerationConfig(
-        eos_token_id=[im_end, endoftext], pad_token_id=endoftext, bos_token_id=None)
+        eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=bos)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import requests
 
 from conftest import REPO, free_port, run
+from vllm_fixture import restore_weights
 
 ATROPOS_ENV = '''
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
@@ -126,11 +126,6 @@ def stop(*procs: subprocess.Popen) -> None:
                 p.wait(5)
 
 
-def restore_weights(vllm_server, tmp_path: Path) -> None:
-    from trainer.vllm_sync import VLLMWeightSync
-
-    asyncio.run(VLLMWeightSync([vllm_server.url], tmp_path / "restore")
-                .reload(vllm_server.model_dir))
 
 
 def test_unchanged_atropos_env_serves_to_lachesis_api_and_lachesis_train_trains_on_it(
@@ -166,7 +161,7 @@ def test_unchanged_atropos_env_serves_to_lachesis_api_and_lachesis_train_trains_
         status = requests.get(api.url + "/status", timeout=5).json()
     finally:
         stop(*(p for p in (env, trainer, bridge) if p is not None))
-        restore_weights(vllm_server, tmp_path)
+        restore_weights(vllm_server)
 
     out = (tmp_path / "train.out").read_text()
     summary = json.loads(out[out.index("\n{") + 1:])  # after the per-step lines

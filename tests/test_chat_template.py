@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from environments.inference.chat_template import ChatRenderer, ChatTemplateError
-from lachesis.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from lachesis.tiny_model import CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "math",
           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
@@ -42,11 +42,7 @@ def test_prefix_preserving_template_appends_only_the_new_messages():
 
 def test_template_that_rewrites_history_keeps_what_the_model_saw():
     # Qwen3-style: <think> blocks are dropped from every assistant turn but the last.
-    rewriting = CHAT_TEMPLATE.replace(
-        "{{- '<|im_start|>assistant\\n' + content }}",
-        "{%- if not loop.last %}{%- set content = content.split('</think>')[-1] %}{%- endif %}"
-        "{{- '<|im_start|>assistant\\n' + content }}")
-    renderer = renderer_with(rewriting)
+    renderer = renderer_with(THINKING_CHAT_TEMPLATE)
     full = renderer.render(HISTORY + RESULT, TOOLS)
     assert "<think>" not in full  # so render(history) is not a prefix of it
     step = renderer.continuation(HISTORY, RESULT, TOOLS, ended_with_eos=True)

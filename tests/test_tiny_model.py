@@ -162,7 +162,9 @@ def test_same_seed_same_weights(tmp_path):
     assert all((a[k] == b[k]).all() for k in a)
     assert any(not (a[k] == c[k]).all() for k in a if a[k].std() > 0)
     assert a["model.embed_tokens.weight"].shape == (263, 128)
-    assert a["lm_head.weight"].shape == (263, 128)  # untied (in-place weight sync)
+    assert a["lm_head.weight"].shape == (263, 128)  # untied by default
+    tied = _weights(make_tiny_model(tmp_path / "t", seed=3, tied=True))
+    assert "lm_head.weight" not in tied and tied["model.embed_tokens.weight"].shape == (263, 128)
 
 
 def test_transformers_loads_model(tiny_model_dir, tokenizer):

@@ -18,7 +18,7 @@ from environments.jsonl_store import GroupWriter, read_groups
 from trainer.batch import BatchError, check_groups
 from trainer.config import TrainConfig
 from trainer.train import train
-from trainer.vllm_sync import VLLMWeightSync
+from vllm_fixture import reload_original, restore_weights
 
 
 class LetterEEnv(BaseEnv):
@@ -94,7 +94,9 @@ def test_train_step_aligns_with_vllm_changes_weights_and_syncs_into_vllm(vllm_se
         initial = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
         changed = [n for (n, a), (_, b) in zip(trained.named_parameters(),
                                                 initial.named_parameters()) if not torch.equal(a, b)]
-        assert "lm_head.weight" in changed and len(changed) > 10
+        # the tied output embedding trained (it is the input one) and vLLM serves it
+        assert trained.config.tie_word_embeddings and "model.embed_tokens.weight" in changed
+        assert len(changed) > 10
         # after the sync, vLLM serves the trained weights
         after = vllm_logprobs(vllm_server, probe)
         assert (after - before).abs().mean() > 1e-3
@@ -103,7 +105,7 @@ def test_train_step_aligns_with_vllm_changes_weights_and_syncs_into_vllm(vllm_se
         assert [json.loads(line)["step"] for line in lines] == [1, 2]
         assert all("sync_seconds" in json.loads(line) for line in lines)
     finally:  # give the session's server its original weights back
-        asyncio.run(VLLMWeightSync([vllm_server.url], tmp_path).reload(vllm_server.model_dir))
+        restore_weights(vllm_server)
     assert (vllm_logprobs(vllm_server, probe) - before).abs().max() < 1e-4
 
 
@@ -168,7 +170,9 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
                                                               sharding, lora):
     """torchrun, 2 CPU processes (gloo), full replicas or FSDP2 shards (with activation
     checkpointing too), or a LoRA adapter: the weights after a step equal one process's
-    (the batch of 7 leaves rank 1 a row short; packed micro-batches of at most 100 tokens)."""
+    (the batch of 7 leaves rank 1 a row short; packed micro-batches of at most 100 tokens).
+    The FSDP run also syncs its (tied) weights into the vLLM server, and its post-sync
+    check runs on both ranks (the forward of a sharded model is a collective)."""
     import subprocess
     import sys
 
@@ -192,10 +196,20 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port()), "-m", "lachesis.cli", "train"]
     extra = ["--activation-checkpointing", "true"] if "checkpointing" in sharding else []
-    double = subprocess.run([*torchrun, *common, "--sharding", sharding.split("+")[0], *extra,
-                             "--run-dir", str(tmp_path / "double")],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    syncs = sharding == "fsdp"
+    if syncs:
+        extra += ["--vllm-urls", json.dumps([vllm_server.url])]
+    try:
+        double = subprocess.run([*torchrun, *common, "--sharding", sharding.split("+")[0],
+                                 *extra, "--run-dir", str(tmp_path / "double")],
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        if syncs:
+            restore_weights(vllm_server)
     assert double.returncode == 0, double.stderr[-3000:]
+    if syncs:
+        metrics = json.loads((tmp_path / "double/metrics.jsonl").read_text().splitlines()[0])
+        assert metrics["sync_check_mean_abs_diff"] < 1e-3
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
     a = load_file(tmp_path / "single/checkpoints/step_000001" / weights)
     b = load_file(tmp_path / "double/checkpoints/step_000001" / weights)
@@ -262,7 +276,7 @@ def test_train_from_the_rollout_api_acknowledges_leases_and_posts_the_policy_ver
             try:
                 summary = await train(cfg)
             finally:
-                await VLLMWeightSync([vllm_server.url], tmp_path).reload(vllm_server.model_dir)
+                await reload_original(vllm_server)
             async with RolloutAPIClient(url) as client:
                 return summary, await client.status()
 

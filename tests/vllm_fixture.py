@@ -5,7 +5,7 @@ Re-export from tests/conftest.py with
     from vllm_fixture import tiny_model_dir, vllm_server  # noqa: F401
 
 (tests/ is not a package; pytest puts tests/ on sys.path, which is how the tests already
-`from conftest import ...`.) `vllm_server` yields the running `VLLMProcess`: `.url`,
+`from conftest import ...`.) `tiny_model_dir` is a tied Qwen2. `vllm_server` yields the running `VLLMProcess`: `.url`,
 `.model_dir`, `.model_name`, `.log_path`. It starts once per session (~50 s on 2 cores,
 plus ~20 s for the first request) and is skipped when vllm is not installed.
 """
@@ -23,9 +23,12 @@ VLLM_MAX_MODEL_LEN = 4096
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
+    """The tests' model: tiny Qwen2 with tied embeddings, as Qwen2.5 0.5B-3B have them (so
+    every weight-sync test covers the tied output head)."""
     from lachesis.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0)
+    return make_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0,
+                           tied=True)
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +48,27 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+async def reload_original(server) -> None:
+    """Give ``server`` its model's original weights back, in place (a test that synced
+    trained weights into the session's server ends with this). The reload goes through
+    the trainer's own checkpoint writer: an in-place reload needs the tied
+    ``lm_head.weight`` in the checkpoint, which a plain ``save_pretrained`` leaves out
+    (trainer/vllm_sync.py, ``write_tied_weights``)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.vllm_sync import VLLMWeightSync
+
+    sync = VLLMWeightSync([server.url], server.model_dir.parent / f"{server.model_dir.name}-sync")
+    path = sync.weights_dir / "v000000"
+    if not path.exists():
+        sync.save(AutoModelForCausalLM.from_pretrained(server.model_dir), None, 0)
+    await sync.reload(path)
+
+
+def restore_weights(server) -> None:
+    """:func:`reload_original`, from synchronous code."""
+    import asyncio
+
+    asyncio.run(reload_original(server))

@@ -86,3 +86,10 @@ def load_optimizer_state(model, optimizer, state: dict[str, Any], sharded: bool)
 
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (picklable objects; the others pass None)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -63,7 +63,7 @@ from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
 from trainer.metrics import Metrics, Progress
 from trainer.sources import Batch, open_source
-from trainer.vllm_sync import PolicyServers
+from trainer.vllm_sync import PolicyServers, sharded_sync_check
 
 log = logging.getLogger("lachesis.train")
 
@@ -299,16 +299,14 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
         if sharded:
             shard_model(ref_model)
     serves = bool(config.vllm_urls or config.vllm_launch) and rl
-    if serves and config.lora is None and getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError(
-            "vLLM 0.32's in-place reload_weights leaves lm_head stale when input and "
-            "output embeddings are tied (measured on the CPU build): train a model with "
-            "tie_word_embeddings=false, or sync by restarting vLLM")
 
     source = await open_source(config, tokenizer, pad_id, rank=rank, world=world,
                                position=position)
+    # The post-sync check runs inside publish(), or, when the model is sharded, on every
+    # rank after it (the trainer's side of it is a forward pass: a collective).
     servers = PolicyServers(config, run_dir, check_sync=config.check_sync and not sharded) \
         if serves and leader else None
+    sharded_check = serves and sharded and config.check_sync
     metrics = Metrics(run_dir, config.tensorboard, config.wandb,
                       config.model_dump(mode="json")) if leader else None
     progress = Progress(start_step, config.steps) if leader else None
@@ -354,15 +352,21 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             weights = full_state_dict(model, sharded) if sharded and (syncs or checkpoints) \
                 else None
             optim = optimizer_state(model, optimizer, sharded) if checkpoints else None
-            if not leader:  # the leader acks, syncs, logs and checkpoints
+            # 5. new weights into vLLM (the leader acks, syncs, logs and checkpoints), the
+            # check that they arrived, then the new version to the rollout API
+            if leader:
+                await source.finish(batch)
+                if servers is not None:
+                    values.update(await servers.check())
+                    if syncs:
+                        values.update(await servers.publish(model, tokenizer, version, weights))
+            if syncs and sharded_check:
+                values.update(await sharded_sync_check(servers, model, len(tokenizer)))
+                sharded_check = False
+            if not leader:
                 continue
-            await source.finish(batch)
-            # 5. new weights into vLLM, then the new version to the rollout API
-            if servers is not None:
-                values.update(await servers.check())
-                if syncs:
-                    values.update(await servers.publish(model, tokenizer, version, weights))
-                    await source.publish_version(version, servers.model_name)
+            if servers is not None and syncs:
+                await source.publish_version(version, servers.model_name)
             # 6. metrics and checkpoints
             seconds = time.monotonic() - started
             values["step_seconds"] = seconds

@@ -19,9 +19,11 @@ envs stamp later turns with it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,43 @@ log = logging.getLogger(__name__)
 
 class WeightSyncError(RuntimeError):
     pass
+
+
+TIED_WEIGHTS_FILE = "tied-weights.safetensors"
+
+
+def write_tied_weights(path: Path, state: dict[str, Any]) -> list[str]:
+    """Add to the checkpoint at ``path`` the weights that ``save_pretrained`` left out
+    because they share storage with another (a tied ``lm_head.weight``); returns their
+    names.
+
+    Why: vLLM's in-place reload first gives every layer's parameters back as empty
+    placeholders (its layerwise reload), which unties the output embedding from the input
+    one for the time of the reload; a layer that then receives no weight keeps what it
+    derived from the old ones. On the CPU build the output projection runs on a prepacked
+    copy of its weight, so a checkpoint without ``lm_head.weight`` leaves vLLM sampling
+    from the old head (measured: logprobs off by ~0.2 on average on a tiny tied model).
+    With the weight in the checkpoint the head is loaded and repacked like every other
+    layer; a fresh vLLM start skips it as an alias of the embedding. The in-memory
+    transfer sends the full state dict, tied names included, for the same reason."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    saved: set[str] = set()
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            saved.update(f.keys())
+    missing = {name: tensor for name, tensor in state.items() if name not in saved}
+    if not missing:
+        return []
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in missing.items()},
+              str(path / TIED_WEIGHTS_FILE), metadata={"format": "pt"})
+    index = next(path.glob("*.safetensors.index.json"), None)
+    if index is not None:  # loaders read only the files the index names
+        table = json.loads(index.read_text())
+        table["weight_map"].update({name: TIED_WEIGHTS_FILE for name in missing})
+        index.write_text(json.dumps(table, indent=2))
+    return sorted(missing)
 
 
 class VLLMWeightSync:
@@ -55,6 +94,7 @@ class VLLMWeightSync:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+        write_tied_weights(tmp, weights if weights is not None else model.state_dict())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)
@@ -119,13 +159,24 @@ def vllm_options(config: Any) -> tuple[list[str], dict[str, str]]:
     return [], {}
 
 
-async def served_logprob_gap(url: str, model_name: str, model: torch.nn.Module, *,
-                             vocab_size: int | None = None, prompt_len: int = 16,
-                             new_tokens: int = 8, seed: int = 0) -> float:
-    """Mean |trainer - vLLM| logprob of ``new_tokens`` tokens that the server samples (at
-    temperature 1, under ``model_name``) after a prompt of random ids below ``vocab_size``
-    (the tokenizer's: vLLM refuses the padding rows of a larger embedding)."""
-    vocab_size = vocab_size or model.get_input_embeddings().weight.shape[0]
+@dataclass
+class SyncSample:
+    """Tokens a server sampled for the post-sync check, with its logprobs of them."""
+
+    url: str
+    tokens: list[int]
+    """The prompt, then the sampled tokens."""
+    prompt_len: int
+    logprobs: list[float]
+    """The server's logprob of each sampled token."""
+
+
+async def sample_for_check(url: str, model_name: str, vocab_size: int, *,
+                           prompt_len: int = 16, new_tokens: int = 8,
+                           seed: int = 0) -> SyncSample:
+    """``new_tokens`` tokens that the server samples (at temperature 1, under
+    ``model_name``) after a prompt of random ids below ``vocab_size`` (the tokenizer's:
+    vLLM refuses the padding rows of a larger embedding)."""
     prompt = torch.randint(0, vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(seed)).tolist()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -137,16 +188,33 @@ async def served_logprob_gap(url: str, model_name: str, model: torch.nn.Module, 
                 raise WeightSyncError(f"{url}: sampling for the sync check failed: "
                                       f"{response.status} {(await response.text())[:300]}")
             choice = (await response.json())["choices"][0]
-    served = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
-    tokens = torch.tensor([prompt + choice["token_ids"]], device=model.device)
+    return SyncSample(url, prompt + choice["token_ids"], prompt_len,
+                      choice["logprobs"]["token_logprobs"])
+
+
+def sample_gap(model: torch.nn.Module, sample: SyncSample) -> float:
+    """Mean |trainer - server| logprob of the sample's sampled tokens. Under FSDP this is
+    a collective: every rank calls it with the same sample."""
+    tokens = torch.tensor([sample.tokens], device=next(model.parameters()).device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            ours = token_logprobs(model(input_ids=tokens).logits, tokens)[0, prompt_len:]
+            ours = token_logprobs(model(input_ids=tokens).logits, tokens)[0, sample.prompt_len:]
     finally:
         model.train(was_training)
+    served = torch.tensor(sample.logprobs, dtype=torch.float32)
     return float((ours.float().cpu() - served).abs().mean())
+
+
+async def served_logprob_gap(url: str, model_name: str, model: torch.nn.Module, *,
+                             vocab_size: int | None = None, prompt_len: int = 16,
+                             new_tokens: int = 8, seed: int = 0) -> float:
+    """Mean |trainer - vLLM| logprob of ``new_tokens`` tokens that the server samples
+    after a random prompt (:func:`sample_for_check`)."""
+    vocab_size = vocab_size or model.get_input_embeddings().weight.shape[0]
+    return sample_gap(model, await sample_for_check(
+        url, model_name, vocab_size, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed))
 
 
 class PolicyServers:
@@ -305,9 +373,20 @@ class PolicyServers:
     async def verify(self, model: Any, vocab_size: int | None = None) -> float:
         """The post-sync check: every server's logprobs of tokens it samples with the new
         weights equal the trainer's (mean |diff| below ``alignment_tolerance``)."""
-        gaps = [await served_logprob_gap(url, self.model_name or await self._served_name(url),
-                                         model, vocab_size=vocab_size) for url in self.urls]
+        samples = await self.check_samples(vocab_size or model.get_input_embeddings()
+                                           .weight.shape[0])
+        return self.judge([sample_gap(model, s) for s in samples])
+
+    async def check_samples(self, vocab_size: int) -> list[SyncSample]:
+        """What every server samples for the post-sync check (the trainer's side of it,
+        :func:`sample_gap`, runs on every rank when the model is sharded)."""
+        return [await sample_for_check(url, self.model_name or await self._served_name(url),
+                                       vocab_size) for url in self.urls]
+
+    def judge(self, gaps: list[float]) -> float:
+        """The worst server's gap; raises when it is past ``alignment_tolerance``."""
         worst = max(gaps)
+        self.checked = True
         log.info("sync check: mean |trainer - vLLM| logprob after the sync = %.2e", worst)
         if worst >= self.config.alignment_tolerance:
             raise WeightSyncError(
@@ -329,3 +408,18 @@ class PolicyServers:
             return {}
         await asyncio.to_thread(self.managed.stop)
         return {"vllm_url": self.managed.url, "vllm_restarts": self.managed.restarts}
+
+
+async def sharded_sync_check(servers: PolicyServers | None, model: Any,
+                             vocab_size: int) -> dict[str, Any]:
+    """The post-sync check of a sharded (FSDP) model: the leader (``servers`` is not
+    None) samples from every server, every rank gets the samples and runs the forward
+    (a collective), and the leader judges the gaps."""
+    from trainer.distributed import broadcast_object
+
+    samples = broadcast_object(await servers.check_samples(vocab_size)
+                               if servers is not None else None)
+    gaps = [sample_gap(model, sample) for sample in samples]
+    if servers is None:
+        return {}
+    return {"sync_check_mean_abs_diff": servers.judge(gaps)}

@@ -63,6 +63,7 @@ async def run_agent_loop(
     max_tokens_per_turn: int | None = None,
     policy_version: Callable[[], int | None] | int | None = None,
     episode_done: Callable[[], bool] | None = None,
+    reasoning_history: str = "keep",
 ) -> Rollout:
     """Run one episode from ``messages`` and return its trajectory.
 
@@ -71,6 +72,9 @@ async def run_agent_loop(
     ``episode_done``: asked after each turn's tool calls ran; ``True`` ends the episode
     there (``stop = "done"``: the environment behind the tools says it is over), with the
     tool results in ``messages`` but no further tokens.
+    ``reasoning_history``: ``keep`` or ``rerender``, for a template that re-renders earlier
+    turns differently (see ``EnvConfig.reasoning_history``): with ``rerender`` such a step
+    starts a new segment holding the whole conversation as the template renders it.
     """
     by_name = {t.name: t for t in tools}
     schemas = [t.schema() for t in tools] or None
@@ -130,11 +134,20 @@ async def run_agent_loop(
         continuation = renderer.continuation(state.messages, new_messages, schemas,
                                              ended_with_eos=generated.ended_with_eos)
         state.prefix_preserving &= continuation.prefix_preserving
-        if len(state.tokens) + len(continuation.token_ids) >= max_token_length:
+        new_context = not continuation.prefix_preserving and reasoning_history == "rerender"
+        following = renderer.prompt_ids(state.messages + new_messages, schemas) \
+            if new_context else continuation.token_ids
+        if len(state.tokens) + len(following) >= max_token_length:
             state.truncated, state.stop = True, "max_tokens"  # no room for another turn
             break
         state.messages += new_messages
-        state.append(continuation.token_ids, sampled=False)
+        if new_context:
+            segments = state.extra.setdefault("segments", [
+                {"start": 0, "reason": "prompt", "messages": len(messages)}])
+            segments.append({"start": len(state.tokens), "reason": "the chat template "
+                             "re-renders earlier turns", "messages": len(state.messages)})
+            state.segment_starts.append(len(state.tokens))
+        state.append(following, sampled=False)
     return state
 
 

@@ -86,6 +86,14 @@ class EnvConfig(BaseModel):
     max_token_length: int = Field(default=2048, ge=8)
     """Tokens per trajectory (prompt included) at most; reaching it flags truncation."""
     max_tokens_per_turn: int | None = Field(default=None, ge=1)
+    reasoning_history: Literal["keep", "rerender"] = "keep"
+    """When the chat template re-renders earlier turns differently (Qwen3's drops their
+    ``<think>`` reasoning once more messages follow): ``keep``, the context stays exactly
+    what the model sampled and the new messages are appended after it (one context; the
+    model keeps seeing its own reasoning); ``rerender``, the conversation is rendered
+    anew as the template gives it and a new segment starts there (later turns see the
+    history without its reasoning, as at inference; each segment trains as its own row).
+    Either way the trained tokens are the sampled ones (docs/environments.md)."""
     # sampling
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -287,7 +295,8 @@ class BaseEnv:
             self.prompt_messages(item), tools=self.get_tools(item), parser=self.parser,
             max_turns=self.config.max_turns, max_token_length=self.config.max_token_length,
             max_tokens_per_turn=self.config.max_tokens_per_turn,
-            policy_version=lambda: self.policy_version)
+            policy_version=lambda: self.policy_version,
+            reasoning_history=self.config.reasoning_history)
 
     def scores_each_turn(self) -> bool:
         """Whether ``compute_turn_rewards`` (one score per assistant turn) scores this env's

@@ -30,7 +30,7 @@ class VLLMBackend:
         self.stop_token_ids = stop_token_ids or renderer.stop_token_ids
 
     async def generate(self, state: Rollout, max_tokens: int) -> GeneratedTurn:
-        return await self.generate_from(state.tokens, max_tokens)
+        return await self.generate_from(state.context, max_tokens)
 
     async def generate_from(self, token_ids: list[int], max_tokens: int) -> GeneratedTurn:
         """One assistant turn continuing ``token_ids`` (which end with the generation
