@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report clean
+.PHONY: install test test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
 
 install: $(STAMP)
 
@@ -44,6 +44,13 @@ bench-trainer: install
 # Peak memory and tokens/s of padded vs. packed / chunked / checkpointed steps (~12 GiB peak).
 bench-trainer-memory: install
 	$(PY) benchmarks/trainer_memory.py --device cpu --json runs/trainer_memory_cpu.json
+
+# The GPU suite (benchmarks/gpu_suite.py): MFU, memory, longest micro-batch, full/LoRA step
+# and vLLM sync times of the Qwen2.5/Qwen3 shapes on a CUDA machine, into runs/gpu_suite/.
+# It runs the venv's Python without `make install` (which builds the CPU stack): on a GPU
+# machine install the `gpu` extra into .venv first (README, "On a GPU").
+bench-gpu:
+	$(PY) benchmarks/gpu_suite.py --out runs/gpu_suite $(ARGS)
 
 bench-report: install
 	$(PY) benchmarks/report_scale.py

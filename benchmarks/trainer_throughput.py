@@ -103,31 +103,11 @@ from trainer.train import Batch, batch_tensors, sequence_logprobs, train_step  #
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.0
 
-# Qwen2.5 shapes (their config.json files), random weights.
-QWEN25_05B_SHAPE = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    use_sliding_window=False,
-)
-QWEN25_SHAPES = {
-    "qwen2.5-0.5b": QWEN25_05B_SHAPE,
-    "qwen2.5-1.5b": {**QWEN25_05B_SHAPE, "hidden_size": 1536, "intermediate_size": 8960,
-                     "num_hidden_layers": 28, "num_attention_heads": 12},
-    "qwen2.5-3b": {**QWEN25_05B_SHAPE, "hidden_size": 2048, "intermediate_size": 11008,
-                   "num_hidden_layers": 36, "num_attention_heads": 16},
-    "qwen2.5-7b": {**QWEN25_05B_SHAPE, "vocab_size": 152064, "hidden_size": 3584,
-                   "intermediate_size": 18944, "num_hidden_layers": 28,
-                   "num_attention_heads": 28, "num_key_value_heads": 4,
-                   "tie_word_embeddings": False},
-}
+from lachesis.model_shapes import SHAPES, build_config  # noqa: E402
+
+# lachesis.tiny_model's families, tied: ``tiny`` (the untied Qwen2 the quickstart uses)
+# and one of each family with a tied output embedding.
+TINY = ("tiny", "tiny-qwen2-tied", "tiny-qwen3-tied", "tiny-llama-tied")
 
 
 # --------------------------------------------------------------------------- #
@@ -138,26 +118,27 @@ QWEN25_SHAPES = {
 def build_model(name: str, device: torch.device, dtype: torch.dtype, tmp: Path,
                 packing: bool = True):
     """``(model, description)`` on ``device`` in ``dtype``, in train mode."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if name == "tiny":
+    if name in TINY:
         from lachesis.tiny_model import make_tiny_model
 
-        path = make_tiny_model(tmp / "tiny")
+        family = "qwen2" if name == "tiny" else name.split("-")[1]
+        path = make_tiny_model(tmp / name, family=family, tied=name.endswith("-tied"))
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, attn_implementation=attention_implementation(
                 device, dtype, packing))
-        description = "tiny Qwen2 (lachesis.tiny_model.make_tiny_model, random)"
-    elif name in QWEN25_SHAPES:
-        config = Qwen2Config(**QWEN25_SHAPES[name])
+        description = f"{name} (lachesis.tiny_model.make_tiny_model, random)"
+    elif name in SHAPES:
+        config = build_config(name)
         config._attn_implementation = attention_implementation(device, dtype, packing) or "sdpa"
         torch.manual_seed(0)
         with torch.device(device):  # initialise on the device: fast, no 2 GB CPU copy
-            model = Qwen2ForCausalLM(config)
-        description = (f"{name.replace('qwen', 'Qwen')} shape (Qwen2ForCausalLM from a config, "
-                       f"random weights, {config._attn_implementation} attention)")
+            model = AutoModelForCausalLM.from_config(config)
+        description = (f"{name.replace('qwen', 'Qwen')} shape ({type(model).__name__} from a "
+                       f"config, random weights, {config._attn_implementation} attention)")
     else:
         raise ValueError(f"unknown model {name!r}")
     model = model.to(device=device, dtype=dtype)
@@ -456,7 +437,7 @@ def parse_args(argv=None):
                     "(tokens/s; FLOP/s and MFU).")
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="default: cuda when torch.cuda.is_available(), else cpu")
-    parser.add_argument("--model", choices=["tiny", *QWEN25_SHAPES],
+    parser.add_argument("--model", choices=[*TINY, *SHAPES],
                         help="default: qwen2.5-0.5b on cuda, tiny on cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="default: bfloat16 on cuda, float32 on cpu")
@@ -478,6 +459,9 @@ def parse_args(argv=None):
     parser.add_argument("--logprob-chunk-size", type=int, default=1024,
                         help="chunked logprobs (0: full float32 logits)")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--lora", type=int, metavar="RANK",
+                        help="train a LoRA adapter of this rank (alpha 2*RANK, every linear "
+                             "layer of the blocks) instead of every weight")
     parser.add_argument("--find-longest", type=int, metavar="LIMIT",
                         help="after the timed rounds, train one sequence of 2x, 4x, ... "
                              "--seq-len tokens (one micro-batch) up to LIMIT tokens or the "
@@ -543,9 +527,14 @@ def main(argv=None) -> int:
                                     or args.micro_batch_size * args.seq_len),
         logprob_chunk_size=args.logprob_chunk_size or None,
         activation_checkpointing=args.activation_checkpointing)
+    if args.lora:
+        from trainer.lora import LoraSettings, apply_lora
+
+        model = apply_lora(model, LoraSettings(rank=args.lora, alpha=2 * args.lora))
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=config.lr, betas=config.betas,
                                   eps=config.adam_eps, weight_decay=config.weight_decay)
 
     print("building the batch (batch_tensors: checks, mt_grpo advantages, pack) ...", flush=True)
@@ -619,6 +608,7 @@ def main(argv=None) -> int:
         "peak_source": peak_source if peak_tflops else None,
         "train_step_last_metrics": last_metrics,
         "batch_stats": stats,
+        "lora_rank": args.lora,
         "trainer": {"packing": config.packing,
                     "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
                     "logprob_chunk_size": config.logprob_chunk_size,

@@ -45,7 +45,7 @@ def family_servers(tmp_path_factory):
             model_dir = make_tiny_model(root / name, family=family, tied=tied, seed=1)
             args, env = transfer_options("shm" if tied else "gloo")
             servers[name] = VLLMProcess(
-                model_dir, served_model_name=name, max_model_len=512, dev_mode=True,
+                model_dir, served_model_name=name, max_model_len=2048, dev_mode=True,
                 extra_args=[*lora_args, *args], env={**lora_env, **env},
                 log_path=root / f"{name}.log").start()
         for server in servers.values():
@@ -75,16 +75,17 @@ def test_family_trains_with_lora_and_full_weights_aligned_and_synced(family_serv
     assert summary["alignment_mean_abs_diff"] < TOLERANCE
     assert metrics["sync_check_mean_abs_diff"] < TOLERANCE
     # then full weights, streamed in memory (no fallback to disk)
-    summary, metrics = step("full", weight_sync="transfer")
+    summary, metrics = step("full", weight_sync="transfer",
+                            transfer_backend="shm" if VARIANTS[name][1] else "gloo")
     assert summary["alignment_mean_abs_diff"] < TOLERANCE
     assert metrics["sync_check_mean_abs_diff"] < TOLERANCE
     assert not (tmp_path / "full" / "weights").exists()
 
 
-# A turn that reasons, then calls the calculator or answers (vLLM samples inside this).
-THINK_THEN_ACT = (r'<think>[a-z]{1,6}</think>(<tool_call>\n\{"name": "calculator", '
-                  r'"arguments": \{"expression": "[1-9] [+*-] [1-9]"\}\}\n</tool_call>|'
-                  r'<answer>-?[0-9]{1,2}</answer>)')
+# A turn that reasons, then calls the calculator (vLLM samples inside this): every episode
+# runs to max_turns.
+THINK_THEN_CALL = (r'<think>[a-z]{1,6}</think><tool_call>\n\{"name": "calculator", '
+                   r'"arguments": \{"expression": "[1-9] [+*-] [1-9]"\}\}\n</tool_call>')
 
 
 @pytest.mark.parametrize("reasoning_history", ["keep", "rerender"])
@@ -104,8 +105,9 @@ def test_thinking_template_keeps_token_in_token_out_exact(family_servers, reason
     server = family_servers["qwen3-untied"]
     env = ArithmeticToolEnv(ArithmeticToolConfig(
         tokenizer=str(server.model_dir), inference_servers=[server.url], group_size=4,
-        max_turns=3, keep_equal_score_groups=True, reasoning_history=reasoning_history,
-        sampling_extra={"structured_outputs": {"regex": THINK_THEN_ACT}}))
+        max_turns=3, max_token_length=1536, max_tokens_per_turn=64,
+        keep_equal_score_groups=True, reasoning_history=reasoning_history,
+        sampling_extra={"structured_outputs": {"regex": THINK_THEN_CALL}}))
     sent: list[tuple[list[int], list[int]]] = []  # (prompt ids, sampled ids) per request
 
     async def collect():
@@ -132,8 +134,7 @@ def test_thinking_template_keeps_token_in_token_out_exact(family_servers, reason
         for start, end in t.turn_spans:
             context = t.tokens[max(s for s in starts if s <= start):start]
             assert (context, t.tokens[start:end]) in sent  # exactly what vLLM saw and sampled
-        if len(t.turn_spans) < 2:
-            continue
+        assert len(t.turn_spans) == 3  # max_turns
         multi_turn += 1
         assert not t.metadata["prefix_preserving"]  # the template dropped a <think> block
         messages = [m.model_dump(exclude_none=True) for m in t.messages]

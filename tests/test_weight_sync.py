@@ -223,3 +223,31 @@ def test_a_server_killed_mid_transfer_is_restarted_on_the_new_weights(tiny_model
     assert "vllm_restarts" not in again and "sync_fallbacks" not in again
     assert after_again < TOLERANCE
     assert not (tmp_path / "run" / "weights" / "v000002").exists()  # streamed, not saved
+
+
+def test_fsdp_ranks_stream_the_tied_model_in_memory_and_check_the_sync(server, rollouts,
+                                                                      tmp_path):
+    """torchrun, two FSDP2 ranks (gloo) of the tied model: the gathered state dict streams
+    into the server through the shm transfer (the tied head included, nothing on disk),
+    and the post-sync check runs on both ranks and passes."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+    from vllm_fixture import restore_weights
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "lachesis.cli", "train",
+               "--model", str(server.model_dir), "--data", str(rollouts), "--batch-size", "8",
+               "--steps", "1", "--lr", "3e-3", "--sharding", "fsdp", "--tensorboard", "false",
+               "--vllm-urls", server.url, "--weight-sync", "transfer",
+               "--transfer-backend", "shm", "--run-dir", str(tmp_path / "run"),
+               "--log-level", "WARNING"]
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        restore_weights(server)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["sync_check_mean_abs_diff"] < TOLERANCE and "sync_fallbacks" not in metrics
+    assert not (tmp_path / "run" / "weights").exists()  # streamed, not saved

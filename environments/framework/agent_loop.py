@@ -9,7 +9,8 @@ the tokens of the tool results and the next generation prompt (mask ``-100``, lo
 An episode ends when the model answers without calling a tool, when the environment
 behind the tools says it is over (``episode_done``), when ``max_turns``
 assistant turns have been sampled, or when the token budget (``max_token_length``) is
-spent; the last two set ``truncated``. A tool that raises, times out, gets bad arguments
+spent (by the context the model is given: the whole trajectory, or its last segment);
+the last two set ``truncated``. A tool that raises, times out, gets bad arguments
 or does not exist sends an error message back to the model as the tool result, and is
 counted in ``tool_errors``; so is a malformed tool-call block.
 """
@@ -88,7 +89,7 @@ async def run_agent_loop(
     state.n_prompt_tokens = len(prompt)
 
     for turn_index in range(max_turns):
-        budget = max_token_length - len(state.tokens)
+        budget = max_token_length - len(state.context)
         max_tokens = min(budget, max_tokens_per_turn or budget)
         version = policy_version() if callable(policy_version) else policy_version
         generated = await backend.generate(state, max_tokens)
@@ -106,7 +107,7 @@ async def run_agent_loop(
                              version, generated.text)
         state.turns.append(turn)
 
-        if generated.finish_reason == "length" or len(state.tokens) >= max_token_length:
+        if generated.finish_reason == "length" or len(state.context) >= max_token_length:
             state.truncated, state.stop = True, "max_tokens"
             break
         if not calls and not parse_errors:
@@ -137,7 +138,7 @@ async def run_agent_loop(
         new_context = not continuation.prefix_preserving and reasoning_history == "rerender"
         following = renderer.prompt_ids(state.messages + new_messages, schemas) \
             if new_context else continuation.token_ids
-        if len(state.tokens) + len(following) >= max_token_length:
+        if len(following) + (0 if new_context else len(state.context)) >= max_token_length:
             state.truncated, state.stop = True, "max_tokens"  # no room for another turn
             break
         state.messages += new_messages

@@ -84,7 +84,8 @@ class EnvConfig(BaseModel):
     max_turns: int = Field(default=4, ge=1)
     """Assistant turns per episode at most."""
     max_token_length: int = Field(default=2048, ge=8)
-    """Tokens per trajectory (prompt included) at most; reaching it flags truncation."""
+    """Tokens per context (prompt included) at most: the whole trajectory, or each of its
+    segments (``reasoning_history: rerender``); reaching it flags truncation."""
     max_tokens_per_turn: int | None = Field(default=None, ge=1)
     reasoning_history: Literal["keep", "rerender"] = "keep"
     """When the chat template re-renders earlier turns differently (Qwen3's drops their
