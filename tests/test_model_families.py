@@ -105,7 +105,7 @@ def test_thinking_template_keeps_token_in_token_out_exact(family_servers, reason
     server = family_servers["qwen3-untied"]
     env = ArithmeticToolEnv(ArithmeticToolConfig(
         tokenizer=str(server.model_dir), inference_servers=[server.url], group_size=4,
-        max_turns=3, max_token_length=1536, max_tokens_per_turn=64,
+        max_turns=3, max_token_length=1536, max_tokens_per_turn=160,
         keep_equal_score_groups=True, reasoning_history=reasoning_history,
         sampling_extra={"structured_outputs": {"regex": THINK_THEN_CALL}}))
     sent: list[tuple[list[int], list[int]]] = []  # (prompt ids, sampled ids) per request
