@@ -256,7 +256,8 @@ def _run_train(argv: list[str]) -> int:
 
 def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "make-tiny-model", help="build a tiny random Qwen2 model + byte tokenizer (no downloads)")
+        "make-tiny-model", help="build a tiny random Qwen2/Qwen3/Llama model + tokenizer "
+                                "(no downloads)")
     p.add_argument("out", type=Path, help="directory to write the HF model to")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", choices=["bytes", "arithmetic"], default="bytes",
@@ -265,14 +266,26 @@ def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
                         "(the quickstart's model)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--family", choices=["qwen2", "qwen3", "llama"], default="qwen2",
+                   help="the architecture (llama: Llama-3 special tokens and template)")
+    p.add_argument("--tied", action="store_true",
+                   help="tie the output embedding to the input one (as Qwen2.5-0.5B does)")
+    p.add_argument("--template", choices=["chatml", "thinking", "compact", "llama"],
+                   help="chat template (default: the family's; thinking drops earlier "
+                        "turns' <think> blocks, as Qwen3's does)")
     p.set_defaults(run=_run_make_tiny_model)
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
     from lachesis.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.out, seed=args.seed, tokenizer=args.tokenizer,
-                           num_layers=args.layers, hidden_size=args.hidden_size)
+    try:
+        path = make_tiny_model(args.out, seed=args.seed, tokenizer=args.tokenizer,
+                               num_layers=args.layers, hidden_size=args.hidden_size,
+                               family=args.family, tied=args.tied, template=args.template)
+    except ValueError as error:
+        print(f"lachesis make-tiny-model: {error}", file=sys.stderr)
+        return 2
     print(f"tiny model written to {path}")
     return 0
 

@@ -301,6 +301,7 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
     if tokenizer == "arithmetic" and family == "llama":
         raise ValueError("the arithmetic tokenizer has ChatML specials: use family qwen2 "
                          "or qwen3 with it")
+    _template(family, template if tokenizer == "bytes" or template != "compact" else None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer == "bytes":

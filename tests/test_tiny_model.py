@@ -299,3 +299,30 @@ def test_task_tokenizer_learns_the_task_text_and_keeps_digits_and_tags_whole(tas
     model = AutoModelForCausalLM.from_pretrained(task_model_dir)
     assert not model.config.tie_word_embeddings
     assert model.get_input_embeddings().weight.shape[0] == len(tok)
+
+
+@pytest.mark.parametrize("family,architecture,eos", [
+    ("qwen2", "Qwen2ForCausalLM", "<|im_end|>"), ("qwen3", "Qwen3ForCausalLM", "<|im_end|>"),
+    ("llama", "LlamaForCausalLM", "<|eot_id|>")])
+def test_families_build_tied_on_request_with_their_template(family, architecture, eos,
+                                                            tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from environments.inference.chat_template import ChatRenderer
+
+    path = make_tiny_model(tmp_path / family, family=family, tied=True)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == architecture and model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(path))  # usable token-in/token-out
+    assert renderer.eos_text == eos
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "<think>so</think>yo"}]
+    text = renderer.render(messages)
+    assert text.startswith("<|begin_of_text|>") == (family == "llama")
+    # the thinking template (Qwen3's default) drops reasoning once a message follows
+    later = renderer.render(messages + [{"role": "user", "content": "and?"}])
+    assert ("<think>so</think>" in later) == (family != "qwen3") and "<think>so" in text
+    with pytest.raises(ValueError, match="does not fit family 'llama'"):
+        make_tiny_model(tmp_path / "bad", family="llama", template="thinking")
+    assert not (tmp_path / "bad").exists()
