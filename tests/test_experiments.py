@@ -29,8 +29,7 @@ def test_every_arm_of_the_experiment_is_a_valid_run(config, tmp_path):
         assert run.envs[0].settings["seed"] == 1003 and run.warm_start is None
         assert run.envs[0].settings["easy_fraction"] == 0.5
     if config == "credit_assignment_gpu.yaml":
-        # a real instruct model, trained as a LoRA adapter in bfloat16 (its embeddings are
-        # tied, which in-place full-weight reloads do not handle)
+        # a real instruct model, trained as a LoRA adapter in bfloat16
         assert run.model == "Qwen/Qwen2.5-1.5B-Instruct" and not run.build_tiny_model
         assert train["lora"]["rank"] == 32 and train["dtype"] == "bfloat16"
         assert run.vllm.dtype == "bfloat16"
