@@ -220,11 +220,15 @@ def cell(value, fmt: str, missing: str = "-") -> str:
 
 
 def table(report: dict) -> str:
-    head = ("| model | params | tied | MFU 16x1024 | peak GiB | full step s | LoRA step s | "
+    rows = report["shapes"]
+    work = next((r[k]["workload"] for r in rows for k in ("full", "lora")
+                 if "workload" in r[k]), {"batch_size": "?", "seq_len": "?"})
+    size = f"{work['batch_size']}x{work['seq_len']}"
+    head = (f"| model | params | tied | MFU {size} | peak GiB | full step s | LoRA step s | "
             "longest micro-batch (ckpt) | sync s in memory / disk |\n"
             "|---|---:|:-:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
-    for row in report["shapes"]:
+    for row in rows:
         full, lora, longest, sync = row["full"], row["lora"], row["longest"], row["sync"]
         base = full if "error" not in full else lora
         shape = base.get("model", {})
