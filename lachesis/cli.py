@@ -137,20 +137,28 @@ ENV_ACTIONS = {
     "evaluate": "one rollout per eval item at the eval temperature; print the mean metrics",
 }
 ENV_NAME_HELP = ("a registered env ({}), path/to/file.py:Class, package.module:Class, "
-                 "verifiers:ID (a verifiers taskset) or openenv:URL (an OpenEnv server)")
+                 "verifiers:ID (a verifiers taskset), openenv:URL (an OpenEnv server){}")
+
+
+def _env_name_help() -> str:
+    from environments.framework.registry import ENVIRONMENTS, env_kinds
+    from lachesis.env_kinds import BUILTIN_KINDS, register_builtin_kinds
+
+    register_builtin_kinds()
+    more = sorted(set(env_kinds()) - set(BUILTIN_KINDS))
+    return ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS)),
+                                "".join(f", {k}:... (installed env kind)" for k in more))
 
 
 def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
     """The flags of ``lachesis env ACTION NAME`` that do not depend on the env (``name``
     None: the help of the action without an env)."""
-    from environments.framework.registry import ENVIRONMENTS
-
     settings = ("Each setting of the env's config class is also a flag: flags > --config "
                 "YAML > defaults")
     parser = argparse.ArgumentParser(
         prog=f"lachesis env {action} {name or 'NAME'}", description=f"{ENV_ACTIONS[action]}.",
         epilog=(f"{settings}." if name else
-                "NAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + ". "
+                "NAME: " + _env_name_help() + ". "
                 f"{settings}; `lachesis env {action} NAME --help` lists them."))
     parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
     if action == "process":
@@ -163,11 +171,8 @@ def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
 def _run_env(argv: list[str]) -> int:
     import logging
 
-    from environments.framework.registry import (
-        ENVIRONMENTS,
-        EnvNotFoundError,
-        load_env_class,
-    )
+    from environments.framework.registry import EnvNotFoundError
+    from lachesis.env_kinds import load_env_class
 
     head = argparse.ArgumentParser(
         prog="lachesis env", add_help=False,
@@ -177,7 +182,7 @@ def _run_env(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: lachesis env {serve,process,evaluate} NAME [--config F] [settings]\n\n"
               + "".join(f"  {action:<9} {text}\n" for action, text in ENV_ACTIONS.items())
-              + "\nNAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + "\n"
+              + "\nNAME: " + _env_name_help() + "\n"
               "`lachesis env ACTION --help` shows the flags of ACTION; "
               "`lachesis env ACTION NAME --help` also lists the settings of NAME")
         return 0

@@ -117,7 +117,7 @@ class RunConfig(_Section):
         """Validate every section against its process's settings model (raises ValueError
         naming the section and the key)."""
         from environments.api.schemas import APIConfig
-        from environments.framework.registry import load_env_class
+        from lachesis.env_kinds import load_env_class
         from trainer.config import TrainConfig
 
         def check(where: str, kind: str, settings: type[BaseModel], values: dict[str, Any],

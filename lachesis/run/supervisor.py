@@ -154,7 +154,7 @@ class Supervisor:
     def write_demonstrations(self, path: Path, tokenizer: str) -> Path:
         import asyncio
 
-        from environments.framework.registry import load_env_class
+        from lachesis.env_kinds import load_env_class
 
         ws = self.config.warm_start
         env_class = load_env_class(ws.env)
