@@ -292,6 +292,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in runs/NAME (warm start and checkpoints are reused)")
     p.add_argument("--name", help="override the run name")
+    p.add_argument("--plan", action="store_true",
+                   help="start nothing: print every process (command line, devices, port, "
+                        "URL, log), the batch arithmetic and what cannot work; exit 1 when "
+                        "something cannot")
     p.set_defaults(run=_run_run)
 
 
@@ -300,10 +304,14 @@ def _run_run(args: argparse.Namespace) -> int:
     from lachesis.run.supervisor import run
 
     try:
-        config = RunConfig.load(args.config, name=args.name)
+        config = RunConfig.load(args.config, name=args.name, check=not args.plan)
     except (ValidationError, ValueError, LookupError, OSError) as error:
         print(f"lachesis run: bad configuration {args.config}: {error}", file=sys.stderr)
         return 2
+    if args.plan:
+        from lachesis.run.plan import print_plan
+
+        return print_plan(config)
     return run(config, fresh=args.fresh, resume=args.resume)
 
 
