@@ -190,3 +190,63 @@ def test_lora_run_hot_loads_each_adapter_and_the_env_switches_to_it(tiny_model_d
     assert "requests go to model policy-lora-v00000" in env_log
     assert sorted(p.name for p in (run_dir / "trainer" / "adapters").iterdir()) == [
         "v000001", "v000002", "v000003"]
+
+
+def test_two_replicas_and_a_torchrun_trainer_survive_a_replica_killed_mid_run(tiny_model_dir,
+                                                                             tmp_path):
+    """The node layout on CPU: 2 vLLM replicas, a 2-process trainer (torchrun, gloo), one
+    env. Both replicas take the first sync (the trainer's logprob check covers each); one
+    replica is killed after step 1: the supervisor restarts it, the env routes around it,
+    the trainer leaves it behind, and the run finishes every step with no group lost."""
+    config = write_config(
+        tmp_path, tiny_model_dir, "node", warm_start=None, evaluate=False,
+        vllm={"replicas": 2, "max_model_len": 2048, "kv_cache_gib": 1},
+        envs=[{"name": "arithmetic_tool", "count": 2, "settings": {
+            "group_size": 4, "max_turns": 2, "max_tokens_per_turn": 24,
+            "max_queued_groups": 4, "keep_equal_score_groups": True}}],
+        train={**SHORT_RUN["train"], "steps": 6, "nproc": 2, "weight_sync": "disk"})
+    run = start_run(config)
+    run_dir = tmp_path / "runs" / "node"
+    metrics_file = run_dir / "trainer" / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
+                 600, "the first step", run)
+        victim = replica_pid(run_id(run_dir), run_dir / "logs" / "vllm-1.log")
+        os.killpg(os.getpgid(victim), signal.SIGKILL)
+        out, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err[-3000:]
+    assert processes_of_run(run_id(run_dir)) == []
+    metrics = [json.loads(line) for line in metrics_file.open()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert metrics[0]["sync_check_mean_abs_diff"] < 1e-3  # both replicas, first sync
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["vllm_restarts"] == {"vllm-1": 1}
+    log = (run_dir / "logs" / "vllm-1.log").read_text()
+    assert log.count("$ ") == 2  # started twice, the second time on synced weights
+    assert "/trainer/weights/v" in log.split("$ ")[2].split("\n")[0]
+    # no group lost: every group the envs pushed was trained or is still queued, none
+    # dead-lettered; both env servers contributed
+    trained = sum(m.get("groups", 0) for m in metrics)
+    pushed = sum(len((run_dir / "trajectories" / f"arithmetic_tool-{k}.jsonl")
+                     .read_text().splitlines()) for k in (0, 1))
+    assert pushed >= trained >= 6 * 2
+    assert "dead letter" not in (run_dir / "logs" / "trainer.log").read_text().lower()
+    assert "Traceback" not in (run_dir / "logs" / "api.log").read_text()
+
+
+def replica_pid(run: str, log: Path) -> int:
+    """The pid of the vLLM server whose log is ``log`` (its port is on the log's first
+    command line)."""
+    command = log.read_text().splitlines()[0]
+    port = command.split("--port ")[1].split()[0]
+    for pid in processes_of_run(run):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmdline and port.encode() in cmdline:
+            return pid
+    raise AssertionError(f"no vLLM process on port {port}")
