@@ -136,7 +136,8 @@ ENV_ACTIONS = {
     "process": "write groups to a JSONL file (and its HTML report next to it), no API needed",
     "evaluate": "one rollout per eval item at the eval temperature; print the mean metrics",
 }
-ENV_NAME_HELP = ("a registered env ({}), path/to/file.py:Class, package.module:Class, "
+ENV_NAME_HELP = ("a registered env ({}), path/to/file.py:Class, package.module:Class (a "
+                 "Lachesis env, or an atroposlib BaseEnv subclass: its own CLI runs), "
                  "verifiers:ID (a verifiers taskset), openenv:URL (an OpenEnv server){}")
 
 
@@ -172,7 +173,7 @@ def _run_env(argv: list[str]) -> int:
     import logging
 
     from environments.framework.registry import EnvNotFoundError
-    from lachesis.env_kinds import load_env_class
+    from lachesis.env_kinds import atropos_env_class, load_env_class
 
     head = argparse.ArgumentParser(
         prog="lachesis env", add_help=False,
@@ -192,6 +193,11 @@ def _run_env(argv: list[str]) -> int:
             _env_parser(known.action, None).print_help()
             return 0
         head.error("the following arguments are required: name")
+    atropos = atropos_env_class(known.name)
+    if atropos is not None:  # its own command line and serve loop (docs/atropos-migration.md)
+        sys.argv = [known.name, known.action, *rest]
+        atropos.cli()
+        return 0
     try:
         env_class = load_env_class(known.name)
     except EnvNotFoundError as error:

@@ -5,6 +5,7 @@ prints it and what cannot work without starting anything."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def test_each_process_gets_its_devices_ports_and_the_replicas(tmp_path):
     layout = build_layout(run)
     names = [p.name for p in layout.processes]
     assert names == ["api", "vllm-0", "vllm-1", "env-arithmetic_tool-0",
-                     "env-arithmetic_tool-1", "env-examples_reverse_word_env.py_ReverseWordEnv",
+                     "env-arithmetic_tool-1", "env-reverse_word_env.py_ReverseWordEnv",
                      "trainer"]
     v0, v1 = layout.replicas
     assert (v0.devices, v1.devices) == ([0, 1], [2, 3])
@@ -158,3 +159,82 @@ def test_the_8_gpu_node_config_plans_cleanly_on_8_gpus():
     assert [p.problems for p in [make_plan(run, devices_present=4)]][0] == [
         "trainer: device(s) [4, 5, 6, 7] asked for, but this machine has 4 GPU(s) "
         "(CUDA_VISIBLE_DEVICES counts)"]
+
+
+ATROPOS_ENV = '''
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig
+
+
+class TinyAtroposEnv(BaseEnv):
+    name = "tiny_atropos"
+
+    @classmethod
+    def config_init(cls):
+        return (BaseEnvConfig(group_size=4, max_token_length=256, use_wandb=False),
+                [APIServerConfig(model_name="tiny", api_key="x")])
+'''
+
+
+def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_python(
+        tmp_path):
+    """An OpenEnv server the run starts itself (``{port}``), an atroposlib env (its own
+    serve loop through atropos-generate, its settings in its own YAML shape), and an env
+    whose processes run in another interpreter, checked by that interpreter."""
+    atropos_file = tmp_path / "tiny_atropos.py"
+    atropos_file.write_text(ATROPOS_ENV)
+    run = config(tmp_path, vllm={"replicas": 2}, train={"batch_size": 8}, envs=[
+        {"name": "openenv:http://127.0.0.1:{port}", "settings": {"group_size": 4},
+         "server": {"command": ["python", "-m", "uvicorn", "server:app", "--port", "{port}"],
+                    "environment": {"URL": "http://127.0.0.1:{port}/x"}}},
+        {"name": f"{atropos_file}:TinyAtroposEnv", "count": 2, "weight": 2,
+         "settings": {"env": {"max_num_workers": 2}, "openai": {"api_key": "y"}}},
+        {"name": "reverse_word_env:ReverseWordEnv", "python": sys.executable,
+         "environment": {"PYTHONPATH": str(REPO / "examples")},
+         "settings": {"group_size": 2}}])
+    run.check_sections()
+    layout = build_layout(run)
+    [server] = layout.backends
+    port = server.port
+    assert server.command == ["python", "-m", "uvicorn", "server:app", "--port", str(port)]
+    assert server.env == {"URL": f"http://127.0.0.1:{port}/x"}
+    assert server.health_url == f"http://127.0.0.1:{port}/health"
+    openenv, atropos0, atropos1, other = layout.envs
+    assert openenv.env_name == f"openenv:http://127.0.0.1:{port}"
+    assert (openenv.kind, atropos0.kind, other.kind) == ("lachesis", "atropos", "lachesis")
+    bridge = layout.bridge
+    assert bridge.command[3:] == ["atropos-generate", "--vllm-url", layout.replicas[0].url,
+                                  "--vllm-url", layout.replicas[1].url, "--model", "policy",
+                                  "--port", str(bridge.port)]
+    settings = atropos1.settings[1]
+    assert settings["env"] == {"max_num_workers": 2, "rollout_server_url": layout.api.url,
+                               "tokenizer_name": "some/model", "use_wandb": False,
+                               "inference_weight": 1.0}
+    assert settings["openai"]["base_url"] == f"{bridge.url}/v1"
+    assert settings["openai"]["api_key"] == "y"
+    assert other.command[0] == sys.executable
+    assert other.env["PYTHONPATH"] == os.pathsep.join([str(REPO / "examples"), str(REPO)])
+
+    # what is wrong with each is said before anything starts
+    for env, error in [
+            ({"name": f"{atropos_file}:TinyAtroposEnv", "settings": {"group_size": 4}},
+             "an atroposlib env's settings are `env:` and `openai:`"),
+            ({"name": f"{atropos_file}:TinyAtroposEnv",
+              "settings": {"env": {"rollout_server_url": "x"}}},
+             "env: rollout_server_url are set by `lachesis run`"),
+            ({"name": "reverse_word_env:ReverseWordEnv", "python": sys.executable,
+              "environment": {"PYTHONPATH": str(REPO / "examples")},
+              "settings": {"group_size": "many"}}, "checked with"),
+            ({"name": "openenv:http://127.0.0.1:{port}", "server": {}},
+             "give the server's command or its docker_image")]:
+        with pytest.raises(ValueError, match=error):
+            config(tmp_path, train={"batch_size": 8}, envs=[env]).check_sections()
+
+
+def test_an_atropos_env_runs_its_own_cli_under_lachesis_env(tmp_path):
+    atropos_file = tmp_path / "tiny_atropos.py"
+    atropos_file.write_text(ATROPOS_ENV)
+    done = subprocess.run([sys.executable, "-m", "lachesis.cli", "env", "serve",
+                           f"{atropos_file}:TinyAtroposEnv", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--env.rollout_server_url" in done.stdout and "--openai.base_url" in done.stdout

@@ -122,6 +122,9 @@ class TrainConfig(BaseModel):
     check_sync: bool = True
     """After the first sync, check every server's logprobs equal the trainer's.
     (8 tokens each samples after a random prompt; ``alignment_tolerance``.)"""
+    check_sync_every: bool = False
+    """With ``check_sync``: check after every sync, not only the first (metrics
+    ``sync_check_mean_abs_diff`` and ``sync_checked_servers`` each step)."""
     # alignment check
     check_alignment: bool = True
     """At step 0, compare the trainer's logprobs of the first batch with vLLM's."""

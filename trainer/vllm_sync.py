@@ -229,7 +229,7 @@ class PolicyServers:
             except SYNC_ERRORS:
                 continue
             self.behind.discard(url)
-            log.info("%s answers again: loaded %s into it", url, self.latest)
+            log.info("%s is back: loaded %s into it", url, self.latest)
         return {"vllm_behind": len(self.behind)}
 
     async def _publish_supervised(self, model: Any, tokenizer: Any, version: int,
@@ -309,9 +309,10 @@ class PolicyServers:
                 await self._restart(force=True)
             values["vllm_restarts"] = self.managed.restarts
         values["sync_seconds"] = time.monotonic() - started
-        if self.check_sync and not self.checked:
+        if self.check_sync and (not self.checked or self.config.check_sync_every):
             values["sync_check_mean_abs_diff"] = await self.verify(
                 model, len(tokenizer) if tokenizer is not None else None)
+            values["sync_checked_servers"] = len(self.urls) - len(self.behind)
             self.checked = True
         return values
 
@@ -363,9 +364,18 @@ class PolicyServers:
     async def verify(self, model: Any, vocab_size: int | None = None) -> float:
         """The post-sync check: every server's logprobs of tokens it samples with the new
         weights equal the trainer's (mean |diff| below ``alignment_tolerance``)."""
-        gaps = [await served_logprob_gap(url, self.model_name or await self._served_name(url),
-                                         model, vocab_size=vocab_size)
-                for url in self.urls if url not in self.behind]
+        gaps = []
+        for url in [u for u in self.urls if u not in self.behind]:
+            try:
+                gaps.append(await served_logprob_gap(
+                    url, self.model_name or await self._served_name(url), model,
+                    vocab_size=vocab_size))
+            except SYNC_ERRORS as error:
+                if not self.config.vllm_supervised:
+                    raise
+                log.warning("sync check: %s did not answer (%s): it gets the weights when "
+                            "it answers again", url, error)
+                self.behind.add(url)
         worst = max(gaps, default=0.0)
         log.info("sync check: mean |trainer - vLLM| logprob after the sync = %.2e", worst)
         if worst >= self.config.alignment_tolerance:

@@ -123,6 +123,16 @@ def load_env_class(name: str) -> type[BaseEnv]:
     kind = env_kinds().get(kind_name) if colon else None
     if kind is not None:
         return _load_kind(name, kind, spec)
+    cls = load_target(name)
+    if not (isinstance(cls, type) and issubclass(cls, BaseEnv)):
+        raise EnvNotFoundError(f"{name!r}: {name.rpartition(':')[2]} is not a subclass of "
+                               "BaseEnv")
+    return cls
+
+
+def load_target(name: str) -> object:
+    """What a registered env name, ``path/to/file.py:Name`` or ``package.module:Name``
+    names (any object: :func:`load_env_class` checks it is an env class)."""
     target = ENVIRONMENTS.get(name, name)
     if ":" not in target:
         raise EnvNotFoundError(f"unknown environment {name!r}: use {names_help()}")
@@ -132,22 +142,22 @@ def load_env_class(name: str) -> type[BaseEnv]:
         if not path.is_file():
             raise EnvNotFoundError(f"{name!r}: no such file {path}")
         module_name = f"lachesis_user_env_{abs(hash(str(path)))}"
-        spec_ = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec_)
-        sys.modules[module_name] = module  # dataclasses and pickling need it registered
-        spec_.loader.exec_module(module)
+        module = sys.modules.get(module_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module  # dataclasses and pickling need it registered
+            spec.loader.exec_module(module)
     else:
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as error:
             raise EnvNotFoundError(f"{name!r}: cannot import {where!r} ({error}); env kinds "
                                    f"known: {', '.join(sorted(env_kinds())) or 'none'}") from None
-    cls = getattr(module, class_name, None)
-    if cls is None:
+    found = getattr(module, class_name, None)
+    if found is None:
         raise EnvNotFoundError(f"{name!r}: {where} has no {class_name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, BaseEnv)):
-        raise EnvNotFoundError(f"{name!r}: {class_name} is not a subclass of BaseEnv")
-    return cls
+    return found
 
 
 def _load_kind(name: str, kind: EnvKind, spec: str) -> type[BaseEnv]:

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from environments.settings import load_settings
 
@@ -58,11 +65,50 @@ class VLLMSettings(_Section):
     startup_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class EnvServerSettings(_Section):
+    """A server an env talks to that the run starts, health-checks and stops itself (an
+    OpenEnv server): from a command, or a docker image run with the host's network.
+    ``{port}`` in its command, and in the env's name, is the server's port."""
+
+    command: list[str] | None = None
+    """The command, e.g. ``[.venv-openenv/bin/python, -m, uvicorn, my_server:app, --port,
+    "{port}"]``; with ``docker_image``: the container's command (default: the image's)."""
+    docker_image: str | None = None
+    """Run this image (``docker run --rm --network host``; its server must listen on
+    ``{port}``, given to it as ``PORT``)."""
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """None: a free port."""
+    health_path: str = "/health"
+    """The server is up once ``GET http://127.0.0.1:{port}{health_path}`` answers."""
+    environment: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of the server (``{port}`` is replaced)."""
+    startup_timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_way_to_start(self) -> EnvServerSettings:
+        if self.command is None and self.docker_image is None:
+            raise ValueError("give the server's command or its docker_image")
+        return self
+
+
 class EnvSettings(_Section):
     name: str
-    """Registered env name, ``file.py:Class``, ``module:Class`` or ``KIND:SPEC``."""
+    """Registered env name, ``file.py:Class``, ``module:Class``, ``KIND:SPEC`` (e.g.
+    ``verifiers:ID``, ``openenv:URL``), or an atroposlib ``BaseEnv`` subclass as
+    ``module:Class`` or ``file.py:Class``."""
     settings: dict[str, Any] = Field(default_factory=dict)
-    """Keys of the env's config class."""
+    """Keys of the env's config class (an atroposlib env: ``env:`` and ``openai:``, its
+    ``--env.*`` and ``--openai.*`` flags)."""
+    python: str | None = None
+    """The Python interpreter of this env's processes, e.g. a venv with the env's own
+    dependencies (``.venv-verifiers/bin/python`` for ``verifiers:ID``); Lachesis's code is
+    put on its PYTHONPATH. None: the run's own."""
+    environment: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of this env's processes (a PYTHONPATH goes in front of
+    Lachesis's code)."""
+    server: EnvServerSettings | None = None
+    """A server of the env's (an OpenEnv server) that the run starts before the env and
+    stops at the end."""
     count: int = Field(default=1, ge=1)
     """Env servers of this env (each its own process, trajectory file and spool)."""
     weight: float = Field(default=1.0, gt=0)
@@ -72,8 +118,10 @@ class EnvSettings(_Section):
     @property
     def label(self) -> str:
         """The env's name as a file and process name (``openenv:http://h:1`` ->
-        ``openenv_http_h_1``)."""
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name).strip("_")
+        ``openenv_http_h_1``, ``path/to/envs.py:MyEnv`` -> ``envs.py_MyEnv``)."""
+        where, _, cls = self.name.rpartition(":")
+        name = f"{Path(where).name}:{cls}" if where.endswith(".py") else self.name
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
 class WarmStartSettings(_Section):
@@ -211,7 +259,6 @@ class RunConfig(_Section):
         """Validate every section against its process's settings model (raises ValueError
         naming the section and the key)."""
         from environments.api.schemas import APIConfig
-        from lachesis.env_kinds import load_env_class
         from trainer.config import TrainConfig
 
         def check(where: str, kind: str, settings: type[BaseModel], values: dict[str, Any],
@@ -228,8 +275,14 @@ class RunConfig(_Section):
         self.check_layout()
         check("api", "api", APIConfig, self.api)
         for i, env in enumerate(self.envs):
-            check(f"envs[{i}] ({env.name}).settings", "env",
-                  load_env_class(env.name).config_class, env.settings)
+            wired = sorted(set(env.settings) & _WIRED["env"])
+            if wired:
+                raise ValueError(f"envs[{i}] ({env.name}).settings: {', '.join(wired)} are "
+                                 "set by `lachesis run` itself; remove them")
+            try:
+                env_facts(env)
+            except (ValidationError, ValueError) as error:
+                raise ValueError(f"envs[{i}] ({env.name}).settings: {error}") from None
         if self.lora is not None and "lora" in self.train:
             raise ValueError("lora: set it at the top level or under train, not both")
         check("train", "train", TrainConfig, self.rl_train, model=self.model)
@@ -237,6 +290,8 @@ class RunConfig(_Section):
         if problems:
             raise ValueError(problems[0])
         if self.warm_start is not None:
+            from lachesis.env_kinds import load_env_class
+
             env_class = load_env_class(self.warm_start.env)
             if not hasattr(env_class, "oracle_messages"):
                 raise ValueError(f"warm_start.env: {self.warm_start.env} has no "
@@ -247,18 +302,64 @@ class RunConfig(_Section):
                   model=self.model)
 
 
+_FACTS: dict[str, dict[str, Any]] = {}
+
+
+def env_facts(env: EnvSettings) -> dict[str, Any]:
+    """:func:`lachesis.env_kinds.env_facts` of ``env``, asked of the env's own interpreter
+    when it has one (``python``). Raises ValueError or LookupError saying what is wrong."""
+    import json
+    import os
+    import subprocess
+
+    key = json.dumps([env.name, env.settings, env.python, env.environment], sort_keys=True,
+                     default=str)
+    if key in _FACTS:
+        return _FACTS[key]
+    if env.python is None:
+        from lachesis.env_kinds import env_facts as facts
+
+        _FACTS[key] = facts(env.name, env.settings)
+        return _FACTS[key]
+    try:
+        done = subprocess.run(
+            [env.python, "-m", "lachesis.env_kinds", env.name, json.dumps(env.settings)],
+            env=env_process_environment(env, os.environ), capture_output=True, text=True,
+            timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ValueError(f"cannot run the env's python {env.python}: {error}") from None
+    if done.returncode != 0:
+        error = LookupError if done.returncode == 3 else ValueError
+        raise error(f"(checked with {env.python}) {done.stderr.strip()[-2000:] or 'no output'}")
+    _FACTS[key] = json.loads(done.stdout)
+    return _FACTS[key]
+
+
+def env_process_environment(env: EnvSettings, base: dict[str, str]) -> dict[str, str]:
+    """The environment variables of ``env``'s processes on top of ``base``: its own, and
+    Lachesis's code on the PYTHONPATH when it runs in another interpreter."""
+    import os
+
+    import lachesis
+
+    values = dict(env.environment)
+    if env.python is not None:
+        code = str(Path(lachesis.__file__).resolve().parent.parent)
+        values["PYTHONPATH"] = os.pathsep.join(
+            p for p in (values.get("PYTHONPATH"), code) if p)
+    return {**base, **values}
+
+
 def batch_problems(config: RunConfig) -> list[str]:
     """Each env whose group size does not divide the trainer's batch (batches hold whole
     groups)."""
-    from lachesis.env_kinds import load_env_class
     from trainer.config import TrainConfig
 
     batch_size = TrainConfig.model_validate({"model": config.model,
                                              **config.rl_train}).batch_size
     problems = []
     for i, env in enumerate(config.envs):
-        group_size = load_env_class(env.name).config_class.model_validate(
-            env.settings).group_size
+        group_size = env_facts(env)["group_size"]
         if batch_size % group_size:
             problems.append(
                 f"envs[{i}] ({env.name}).settings: group_size {group_size} does not divide "

@@ -10,6 +10,9 @@ layout says; ``lachesis run CONFIG --plan`` prints it without starting anything.
   evenly over its servers.
 * The trainer: ``train.nproc`` processes under torchrun (one device each), told every
   replica's URL (every sync reaches each).
+* For an env with a ``server`` (an OpenEnv server): that server, started first; an
+  atroposlib env runs its own serve loop against the API, generating through one
+  ``lachesis atropos-generate`` over the replicas.
 
 Device indices are those the run itself sees: under ``CUDA_VISIBLE_DEVICES=4,5,6,7``,
 device 0 is GPU 4.
@@ -23,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lachesis.run.config import RunConfig
+from lachesis.run.config import EnvSettings, RunConfig, env_facts, env_process_environment
 
 
-def lachesis_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lachesis.cli", *args]
+def lachesis_command(*args: str, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "lachesis.cli", *args]
 
 
 @dataclass
@@ -44,12 +47,23 @@ class Process:
     url: str | None = None
     settings: tuple[Path, dict[str, Any]] | None = None
     """The settings file the command reads, and what the supervisor writes into it."""
+    health_url: str | None = None
+    """Up once this answers."""
 
 
 @dataclass
 class EnvServer(Process):
     env_name: str = ""
+    """The env's name in the config (``envs[].name``)."""
     label: str = ""
+    kind: str = "lachesis"
+    """``lachesis`` (``lachesis env serve``) or ``atropos`` (an atroposlib env's own serve
+    loop, started once the trainer has registered)."""
+    python: str | None = None
+    env_label: str = ""
+    """The env's label (``label`` without the server's number)."""
+    first: bool = True
+    """The env's first server (whose settings its evaluation uses)."""
 
 
 @dataclass
@@ -58,10 +72,15 @@ class Layout:
     replicas: list[Process]
     envs: list[EnvServer]
     trainer: Process
+    backends: list[Process] = field(default_factory=list)
+    """Servers the envs talk to (OpenEnv servers), started before them."""
+    bridge: Process | None = None
+    """``lachesis atropos-generate`` over the replicas, for atroposlib envs."""
 
     @property
     def processes(self) -> list[Process]:
-        return [self.api, *self.replicas, *self.envs, self.trainer]
+        return [self.api, *self.replicas, *self.backends,
+                *([self.bridge] if self.bridge else []), *self.envs, self.trainer]
 
     @property
     def replica_urls(self) -> list[str]:
@@ -135,20 +154,43 @@ def build_layout(config: RunConfig, model: str | None = None) -> Layout:
                                 port=server.port, url=server.url))
     urls = [r.url for r in replicas]
 
-    envs = []
+    backends, envs, bridge = [], [], None
     for env in config.envs:
+        name, kind = env.name, _kind(env)
+        if env.server is not None:
+            backends.append(env_backend(env, logs))
+            name = name.replace("{port}", str(backends[-1].port))
+        if kind == "atropos" and bridge is None:
+            port = free_port()
+            bridge = Process("atropos-generate", lachesis_command(
+                "atropos-generate", *[a for u in urls for a in ("--vllm-url", u)],
+                "--model", "policy", "--port", str(port)), logs / "atropos-generate.log",
+                port=port, url=f"http://127.0.0.1:{port}",
+                health_url=f"http://127.0.0.1:{port}/health")
+        environment = env_process_environment(env, {})
         for k in range(env.count):
             label = env.label if env.count == 1 else f"{env.label}-{k}"
             env_yaml = configs / f"env-{label}.yaml"
-            envs.append(EnvServer(
-                f"env-{label}", lachesis_command("env", "serve", env.name, "--config",
-                                                 str(env_yaml)),
-                logs / f"env-{label}.log", settings=(env_yaml, {
+            if kind == "atropos":
+                settings = {
+                    "env": {**(env.settings.get("env") or {}), "rollout_server_url": api_url,
+                            "tokenizer_name": model, "use_wandb": False,
+                            "inference_weight": env.weight / env.count},
+                    "openai": {**(env.settings.get("openai") or {}),
+                               "base_url": f"{bridge.url}/v1", "tokenizer_name": model,
+                               "model_name": "policy", "server_type": "vllm"}}
+            else:
+                settings = {
                     **env.settings, "api_url": api_url, "inference_servers": urls,
                     "tokenizer": model, "env_weight": env.weight / env.count,
                     "jsonl_out": run_dir / "trajectories" / f"{label}.jsonl",
-                    "spool_path": run_dir / "spool" / f"{label}.jsonl"}),
-                env_name=env.name, label=label))
+                    "spool_path": run_dir / "spool" / f"{label}.jsonl"}
+            envs.append(EnvServer(
+                f"env-{label}", lachesis_command("env", "serve", name, "--config",
+                                                 str(env_yaml), python=env.python),
+                logs / f"env-{label}.log", env=environment, settings=(env_yaml, settings),
+                env_name=name, label=label, kind=kind, python=env.python,
+                env_label=env.label, first=k == 0))
 
     train_yaml = configs / "train.yaml"
     nproc, devices = config.train_nproc, config.train_devices
@@ -164,4 +206,34 @@ def build_layout(config: RunConfig, model: str | None = None) -> Layout:
                           **config.rl_train, "model": model, "mode": "rl", "api_url": api_url,
                           "vllm_urls": urls, "vllm_supervised": True,
                           "run_dir": run_dir / "trainer"}))
-    return Layout(api, replicas, envs, trainer)
+    return Layout(api, replicas, envs, trainer, backends, bridge)
+
+
+def _kind(env: EnvSettings) -> str:
+    """``atropos`` for an atroposlib env, else ``lachesis`` (also when the env cannot be
+    loaded: the run's checks report that)."""
+    try:
+        return env_facts(env)["kind"]
+    except (ValueError, LookupError, OSError):
+        return "lachesis"
+
+
+def env_backend(env: EnvSettings, logs: Path) -> Process:
+    """The server ``env.server`` says to start (``{port}``: its port)."""
+    server = env.server
+    port = server.port or free_port()
+
+    def fill(text: str) -> str:
+        return text.replace("{port}", str(port))
+
+    environment = {k: fill(v) for k, v in server.environment.items()}
+    command = [fill(c) for c in server.command or []]
+    if server.docker_image is not None:
+        command = ["docker", "run", "--rm", "--network", "host",
+                   "--name", f"lachesis-{env.label}-{port}", "-e", f"PORT={port}",
+                   *[a for k, v in environment.items() for a in ("-e", f"{k}={v}")],
+                   server.docker_image, *command]
+    name = f"server-{env.label}"
+    url = f"http://127.0.0.1:{port}"
+    return Process(name, command, logs / f"{name}.log", env=environment, port=port, url=url,
+                   health_url=url + server.health_path)

@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from lachesis.run.config import RunConfig, write_yaml
-from lachesis.run.layout import Layout, Process, build_layout, lachesis_command
+from lachesis.run.layout import (
+    EnvServer,
+    Layout,
+    Process,
+    build_layout,
+    lachesis_command,
+)
 from lachesis.run.processes import (
     RUN_ID_VARIABLE,
     ChildProcess,
@@ -202,18 +208,20 @@ class Supervisor:
         tmp.rename(path)
         return path
 
-    def evaluate(self, label: str, env_yamls: list[tuple[str, str, Path]]) -> dict[str, Any]:
-        """Evaluate each env (name, file name, settings file); results by env name."""
+    def evaluate(self, label: str, servers: list[EnvServer]) -> dict[str, Any]:
+        """Evaluate each env with the settings of ``servers`` (its first server's);
+        results by env name."""
         results = {}
-        for name, file_name, env_yaml in env_yamls:
+        for server in servers:
+            file_name = server.env_label
             out = self.run_dir / "eval" / f"{label}-{file_name}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            self.say(f"evaluating {name} ({label})")
+            self.say(f"evaluating {server.env_name} ({label})")
             self.run_to_end(f"eval-{label}-{file_name}", lachesis_command(
-                "env", "evaluate", name, "--config", str(env_yaml),
-                "--eval-out", str(self.run_dir / "eval" / f"{label}-{file_name}.jsonl")),
-                stdout_path=out)
-            results[name] = json.loads(out.read_text())
+                "env", "evaluate", server.env_name, "--config", str(server.settings[0]),
+                "--eval-out", str(self.run_dir / "eval" / f"{label}-{file_name}.jsonl"),
+                python=server.python), env=server.env, stdout_path=out)
+            results[server.env_name] = json.loads(out.read_text())
         return results
 
     def say(self, text: str) -> None:
@@ -241,31 +249,44 @@ class Supervisor:
 
         api = self.start_process(layout.api)
         replicas = [self.start_process(r) for r in layout.replicas]
+        backends = [self.start_process(b) for b in layout.backends]
         self.wait_healthy(api, api_url + "/status", config.startup_timeout_s)
         for child, replica in zip(replicas, layout.replicas):
             self.wait_healthy(child, replica.url + "/health", config.vllm.startup_timeout_s)
         self.restartable = {r.name for r in layout.replicas}
+        for child, backend, env in zip(backends, layout.backends,
+                                       [e for e in config.envs if e.server is not None]):
+            self.wait_healthy(child, backend.health_url, env.server.startup_timeout_s)
+        if layout.bridge is not None:
+            self.wait_healthy(self.start_process(layout.bridge), layout.bridge.health_url,
+                              config.startup_timeout_s)
 
         for server in layout.envs:
             write_yaml(*server.settings)
-        # One per env (its first server's settings), for evaluation.
-        env_yamls = [(env.name, env.label, server.settings[0])
-                     for env in config.envs
-                     for server in [next(s for s in layout.envs if s.env_name == env.name)]]
+        # Each env with its first server's settings; atroposlib envs evaluate themselves.
+        evaluated = [s for s in layout.envs if s.first and s.kind == "lachesis"]
         summary: dict[str, Any] = {"run_dir": str(run_dir), "model": model}
         if config.evaluate and config.evaluate_before:
-            summary["before"] = self.evaluate("before", env_yamls)
+            summary["before"] = self.evaluate("before", evaluated)
 
         train_dir = run_dir / "trainer"
         total_steps = int(config.train.get("steps", 100))
         with RunProgress(config.name, total_steps, live=self.live) as progress:
             self.progress = progress
             for server in layout.envs:
-                self.start_process(server)
+                if server.kind == "lachesis":
+                    self.start_process(server)
             trainer = self.start_process(layout.trainer)
+            # An atroposlib env reads the batch size from the API once, when it starts: it
+            # starts once the trainer has registered.
+            waiting = [s for s in layout.envs if s.kind == "atropos"]
             progress.phase = "training"
             while trainer.returncode is None:
                 self.check_alive(trainer)
+                if waiting and (_get_json(api_url + "/status") or {}).get("trainer_registered"):
+                    for server in waiting:
+                        self.start_process(server)
+                    waiting = []
                 progress.processes = {c.name: "up" if c.running else f"exit {c.returncode}"
                                       for c in self.children}
                 progress.update(last_metrics(train_dir / "metrics.jsonl"),
@@ -280,7 +301,7 @@ class Supervisor:
             child.stop()  # no more rollouts: vLLM now serves the final weights
             self.children.remove(child)
         if config.evaluate:
-            summary["after"] = self.evaluate("after", env_yamls)
+            summary["after"] = self.evaluate("after", evaluated)
 
         if self.restarts:
             summary["vllm_restarts"] = dict(self.restarts)
