@@ -136,21 +136,30 @@ ENV_ACTIONS = {
     "process": "write groups to a JSONL file (and its HTML report next to it), no API needed",
     "evaluate": "one rollout per eval item at the eval temperature; print the mean metrics",
 }
-ENV_NAME_HELP = ("a registered env ({}), path/to/file.py:Class, package.module:Class, "
-                 "verifiers:ID (a verifiers taskset) or openenv:URL (an OpenEnv server)")
+ENV_NAME_HELP = ("a registered env ({}), path/to/file.py:Class, package.module:Class (a "
+                 "Lachesis env, or an atroposlib BaseEnv subclass: its own CLI runs), "
+                 "verifiers:ID (a verifiers taskset), openenv:URL (an OpenEnv server){}")
+
+
+def _env_name_help() -> str:
+    from environments.framework.registry import ENVIRONMENTS, env_kinds
+    from lachesis.env_kinds import BUILTIN_KINDS, register_builtin_kinds
+
+    register_builtin_kinds()
+    more = sorted(set(env_kinds()) - set(BUILTIN_KINDS))
+    return ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS)),
+                                "".join(f", {k}:... (installed env kind)" for k in more))
 
 
 def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
     """The flags of ``lachesis env ACTION NAME`` that do not depend on the env (``name``
     None: the help of the action without an env)."""
-    from environments.framework.registry import ENVIRONMENTS
-
     settings = ("Each setting of the env's config class is also a flag: flags > --config "
                 "YAML > defaults")
     parser = argparse.ArgumentParser(
         prog=f"lachesis env {action} {name or 'NAME'}", description=f"{ENV_ACTIONS[action]}.",
         epilog=(f"{settings}." if name else
-                "NAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + ". "
+                "NAME: " + _env_name_help() + ". "
                 f"{settings}; `lachesis env {action} NAME --help` lists them."))
     parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
     if action == "process":
@@ -163,11 +172,8 @@ def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
 def _run_env(argv: list[str]) -> int:
     import logging
 
-    from environments.framework.registry import (
-        ENVIRONMENTS,
-        EnvNotFoundError,
-        load_env_class,
-    )
+    from environments.framework.registry import EnvNotFoundError
+    from lachesis.env_kinds import atropos_env_class, load_env_class
 
     head = argparse.ArgumentParser(
         prog="lachesis env", add_help=False,
@@ -177,7 +183,7 @@ def _run_env(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: lachesis env {serve,process,evaluate} NAME [--config F] [settings]\n\n"
               + "".join(f"  {action:<9} {text}\n" for action, text in ENV_ACTIONS.items())
-              + "\nNAME: " + ENV_NAME_HELP.format(", ".join(sorted(ENVIRONMENTS))) + "\n"
+              + "\nNAME: " + _env_name_help() + "\n"
               "`lachesis env ACTION --help` shows the flags of ACTION; "
               "`lachesis env ACTION NAME --help` also lists the settings of NAME")
         return 0
@@ -187,6 +193,11 @@ def _run_env(argv: list[str]) -> int:
             _env_parser(known.action, None).print_help()
             return 0
         head.error("the following arguments are required: name")
+    atropos = atropos_env_class(known.name)
+    if atropos is not None:  # its own command line and serve loop (docs/atropos-migration.md)
+        sys.argv = [known.name, known.action, *rest]
+        atropos.cli()
+        return 0
     try:
         env_class = load_env_class(known.name)
     except EnvNotFoundError as error:
@@ -300,6 +311,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in runs/NAME (warm start and checkpoints are reused)")
     p.add_argument("--name", help="override the run name")
+    p.add_argument("--plan", action="store_true",
+                   help="start nothing: print every process (command line, devices, port, "
+                        "URL, log), the batch arithmetic and what cannot work; exit 1 when "
+                        "something cannot")
     p.set_defaults(run=_run_run)
 
 
@@ -308,10 +323,14 @@ def _run_run(args: argparse.Namespace) -> int:
     from lachesis.run.supervisor import run
 
     try:
-        config = RunConfig.load(args.config, name=args.name)
+        config = RunConfig.load(args.config, name=args.name, check=not args.plan)
     except (ValidationError, ValueError, LookupError, OSError) as error:
         print(f"lachesis run: bad configuration {args.config}: {error}", file=sys.stderr)
         return 2
+    if args.plan:
+        from lachesis.run.plan import print_plan
+
+        return print_plan(config)
     return run(config, fresh=args.fresh, resume=args.resume)
 
 

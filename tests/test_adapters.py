@@ -285,7 +285,8 @@ def test_both_adapters_keep_the_exact_sampled_tokens(vllm_server, verifiers_env_
 def test_other_frameworks_env_names_resolve_or_say_what_is_wrong():
     import importlib.util
 
-    from environments.framework.registry import EnvNotFoundError, load_env_class
+    from environments.framework.registry import EnvNotFoundError
+    from lachesis.env_kinds import load_env_class
 
     cls = load_env_class("openenv:http://127.0.0.1:8000/")
     assert cls.name == "openenv-127.0.0.1_8000"

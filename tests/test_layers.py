@@ -1,7 +1,9 @@
 """The package structure stays as drawn: imports go one way, no module import cycles, no
 imports of another module's private names.
 
-    data model  <-  rollout API, inference, sandboxes, inspection  <-  env framework  <-  envs
+    data model  <-  rollout API, inference, sandboxes, inspection  <-  env framework
+                <-  envs and adapters (other frameworks' envs: env kinds, which the framework
+                    finds through its plugin registry, never by import)
     trainer: data model, the rollout API client, inference helpers
     lachesis (front door: CLI, supervisor): anything; nothing imports it
     inspection (reports): imported only by the front door
@@ -71,12 +73,12 @@ def in_(module: str, prefixes) -> bool:
 
 
 def layer(module: str) -> int:
-    """0 data model, 1 services and helpers, 2 env framework, 3 concrete envs."""
+    """0 data model, 1 services and helpers, 2 env framework, 3 concrete envs and adapters."""
     if module in DATA_MODEL:
         return 0
     if in_(module, LOWER):
         return 1
-    if in_(module, ["environments.envs"]):
+    if in_(module, ["environments.envs", "environments.adapters"]):
         return 3
     return 2
 

@@ -190,3 +190,152 @@ def test_lora_run_hot_loads_each_adapter_and_the_env_switches_to_it(tiny_model_d
     assert "requests go to model policy-lora-v00000" in env_log
     assert sorted(p.name for p in (run_dir / "trainer" / "adapters").iterdir()) == [
         "v000001", "v000002", "v000003"]
+
+
+LETTER_E_ENV = """
+from environments import BaseEnv, TurnLevelRewardMixin
+
+
+class LetterEEnv(TurnLevelRewardMixin, BaseEnv):
+    \"\"\"One turn, scored by its share of 'e' plus a little for length (varies per
+    sample, so every step moves the weights).\"\"\"
+
+    name = "letter_e"
+
+    async def get_next_item(self):
+        return {"id": "e", "question": "Write many e letters."}
+
+    def prompt_messages(self, item):
+        return [{"role": "user", "content": item["question"]}]
+
+    def compute_turn_rewards(self, item, rollout):
+        return [t.text.count("e") / max(1, len(t.text)) + 0.01 * len(t.text)
+                for t in rollout.turns]
+
+    def rollout_metrics(self, item, rollout, scores):
+        return {"letter_e": 1.0}
+"""
+# The OpenEnv server's guesses, kept to well-formed tool calls of the tiny model (as in
+# tests/test_adapters.py): the tokens are still sampled from the model.
+GUESS = r'<tool_call>\n\{"name": "step", "arguments": \{"guess": [1-3]\}\}\n</tool_call>'
+
+
+def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, tmp_path):
+    """The node layout on CPU: 2 vLLM replicas, a 2-process trainer (torchrun, gloo), two
+    servers of a native env, and an OpenEnv server (openenv-core's create_app, in its own
+    venv) that the run starts from a command, with its env. After every sync, each
+    replica's logprobs of tokens it samples equal the trainer's (``check_sync_every``;
+    one step moves them by far more than the tolerance). One replica is killed after step
+    1: the supervisor restarts it on the synced weights, the envs route around it, the
+    trainer leaves it behind and loads the newest weights into it when it is back; later
+    syncs check both replicas again, groups of both envs are trained, and the run
+    finishes every step with no group lost.
+
+    The env servers are held (SIGSTOP) while the replica restarts, so that the run cannot
+    end before it is back."""
+    from third_party import openenv_python
+
+    steps = 6
+    env_file = tmp_path / "letter_e.py"
+    env_file.write_text(LETTER_E_ENV)
+    config = write_config(
+        tmp_path, tiny_model_dir, "node", warm_start=None, evaluate=False,
+        vllm={"replicas": 2, "max_model_len": 4096, "kv_cache_gib": 1},
+        envs=[{"name": f"{env_file}:LetterEEnv", "count": 2, "settings": {
+            "group_size": 4, "max_turns": 1, "max_tokens_per_turn": 24,
+            "max_queued_groups": 2}},
+              {"name": "openenv:http://127.0.0.1:{port}", "weight": 0.5, "settings": {
+                  "group_size": 4, "max_turns": 3, "max_token_length": 3000,
+                  "max_queued_groups": 1, "keep_equal_score_groups": True,
+                  "sampling_extra": {"structured_outputs": {"regex": GUESS}}},
+               "server": {"command": [str(openenv_python()), "-m", "uvicorn",
+                                      "openenv_guess_server:app", "--port", "{port}",
+                                      "--app-dir", str(REPO / "tests" / "adapter_envs")],
+                          "environment": {"GUESS_MAX_SESSIONS": "8"}}}],
+        train={**SHORT_RUN["train"], "steps": steps, "nproc": 2, "lr": 1.0e-3,
+               "weight_sync": "disk", "check_sync_every": True})
+    run = start_run(config)
+    run_dir = tmp_path / "runs" / "node"
+    metrics_file = run_dir / "trainer" / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
+                 600, "the first step", run)
+        env_servers = [pid for pid in processes_of_run(run_id(run_dir))
+                       if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        for pid in env_servers:
+            os.kill(pid, signal.SIGSTOP)
+        command = (run_dir / "logs" / "vllm-1.log").read_text().splitlines()[0]
+        port = command.split("--port ")[1].split()[0]
+        os.killpg(os.getpgid(replica_pid(run_id(run_dir), port)), signal.SIGKILL)
+        wait_for(lambda: (run_dir / "logs" / "vllm-1.log").read_text().count("\n$ ") == 1,
+                 60, "the restart", run)
+        wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 600,
+                 "the restarted replica", run)
+        for pid in env_servers:
+            os.kill(pid, signal.SIGCONT)
+        out, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err[-3000:]
+    assert processes_of_run(run_id(run_dir)) == []
+    metrics = [json.loads(line) for line in metrics_file.open()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["sync_check_mean_abs_diff"] < 1e-3 for m in metrics)
+    assert one_step_logprob_change(run_dir / "trainer" / "weights") > 1e-2
+    checked = [m["sync_checked_servers"] for m in metrics]
+    assert checked[0] == 2 and 1 in checked and checked[-1] == 2, checked
+    assert metrics[-1]["vllm_behind"] == 0
+    assert " is back: loaded " in (run_dir / "logs" / "trainer.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["vllm_restarts"] == {"vllm-1": 1}
+    second = (run_dir / "logs" / "vllm-1.log").read_text().split("\n$ ")[1].split("\n")[0]
+    assert "/trainer/weights/v" in second  # restarted on synced weights
+    # groups of both envs were trained (their own metrics reached the trainer)
+    assert any("env/letter_e" in m for m in metrics) and any("env/done" in m for m in metrics)
+    # no group lost: every group pushed was trained or is still queued, none set aside;
+    # every env server contributed
+    trained = sum(m["groups"] for m in metrics)
+    pushed = [len(path.read_text().splitlines())
+              for path in sorted((run_dir / "trajectories").glob("*.jsonl"))]
+    assert len(pushed) == 3 and min(pushed) > 0 and sum(pushed) >= trained == steps * 2
+    assert sum(m["groups_set_aside"] for m in metrics) == 0
+    assert "Traceback" not in (run_dir / "logs" / "api.log").read_text()
+
+
+def one_step_logprob_change(weights: Path) -> float:
+    """Mean |logprob| change of a random sequence between the last two synced versions:
+    what the post-sync check would see on a replica one version behind."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 250, (1, 32), generator=torch.Generator().manual_seed(0))
+    logprobs = []
+    for path in sorted(weights.glob("v*"))[-2:]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            all_logprobs = torch.log_softmax(model(ids).logits[0, :-1], -1)
+        logprobs.append(all_logprobs.gather(-1, ids[0, 1:, None]))
+    return float((logprobs[0] - logprobs[1]).abs().mean())
+
+
+def healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def replica_pid(run: str, port: str) -> int:
+    """The pid of the run's vLLM server on ``port``."""
+    for pid in processes_of_run(run):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmdline and port.encode() in cmdline:
+            return pid
+    raise AssertionError(f"no vLLM process on port {port}")

@@ -95,6 +95,11 @@ class TrainConfig(BaseModel):
     vllm_launch: bool = False
     """Start a vLLM server for the model as a subprocess (dev mode), health-check it after
     every step and restart it (with the latest synced weights) if it died."""
+    vllm_supervised: bool = False
+    """The servers of ``vllm_urls`` are restarted by a supervisor (``lachesis run`` sets
+    it): one that fails a sync is left behind instead of stopping the run and loaded with
+    the newest weights once it answers again; every sync also keeps a disk copy
+    (``run_dir/weights``), which a restarted server starts from."""
     vllm_port: int | None = None
     vllm_max_model_len: int = Field(default=4096, ge=16)
     vllm_args: list[str] = Field(default_factory=list)
@@ -117,6 +122,9 @@ class TrainConfig(BaseModel):
     check_sync: bool = True
     """After the first sync, check every server's logprobs equal the trainer's.
     (8 tokens each samples after a random prompt; ``alignment_tolerance``.)"""
+    check_sync_every: bool = False
+    """With ``check_sync``: check after every sync, not only the first (metrics
+    ``sync_check_mean_abs_diff`` and ``sync_checked_servers`` each step)."""
     # alignment check
     check_alignment: bool = True
     """At step 0, compare the trainer's logprobs of the first batch with vLLM's."""

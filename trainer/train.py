@@ -362,7 +362,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                         values.update(await servers.publish(model, tokenizer, version, weights))
             if syncs and sharded_check:
                 values.update(await sharded_sync_check(servers, model, len(tokenizer)))
-                sharded_check = False
+                sharded_check = config.check_sync_every
             if not leader:
                 continue
             if servers is not None and syncs:

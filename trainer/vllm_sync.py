@@ -41,6 +41,10 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+SYNC_ERRORS = (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+"""How a sync to a server that died (or is restarting) fails."""
+
+
 TIED_WEIGHTS_FILE = "tied-weights.safetensors"
 
 
@@ -238,6 +242,9 @@ class PolicyServers:
         self.lora = None
         self.model_name: str | None = None
         self.checked = False
+        self.behind: set[str] = set()
+        """Supervised servers (``vllm_supervised``) that missed a sync: each is loaded
+        with the newest weights once it answers again."""
 
     @property
     def urls(self) -> list[str]:
@@ -267,10 +274,55 @@ class PolicyServers:
                                  await self._served_name(self.urls[0]), self.config.lora)
 
     async def check(self) -> dict[str, Any]:
-        """Restart the launched server if it died (with the latest weights)."""
+        """Restart the launched server if it died (with the latest weights); load the
+        newest weights into supervised servers that missed a sync and answer again."""
+        if self.behind:
+            return await self._catch_up()
         if self.managed is not None and await self._restart(force=False):
             return {"vllm_restarts": self.managed.restarts}
         return {}
+
+    async def _catch_up(self) -> dict[str, Any]:
+        for url in sorted(self.behind):
+            try:
+                async with aiohttp.ClientSession(
+                        timeout=aiohttp.ClientTimeout(total=5)) as session, \
+                        session.get(url + "/health") as response:
+                    if response.status != 200:
+                        continue
+                if url in self.transfers:  # a restarted server: a new handshake
+                    await asyncio.to_thread(self.transfers[url].close)
+                if self.latest is not None:
+                    await self.sync.reload(self.latest, [url])
+            except SYNC_ERRORS:
+                continue
+            self.behind.discard(url)
+            log.info("%s is back: loaded %s into it", url, self.latest)
+        return {"vllm_behind": len(self.behind)}
+
+    async def _publish_supervised(self, model: Any, tokenizer: Any, version: int,
+                                  weights: dict[str, Any] | None,
+                                  values: dict[str, Any]) -> None:
+        """Sync every server that is up, each on its own: one that fails is left behind
+        (its supervisor restarts it from the disk copy written first)."""
+        await self._save(model, tokenizer, version, weights)
+        urls = [u for u in self.urls if u not in self.behind]
+
+        async def one(url: str) -> None:
+            if self.method == "transfer":
+                await self._transfer(model, tokenizer, version, weights, values, [url])
+            else:
+                await self.sync.reload(self.latest, [url])
+
+        for url, result in zip(urls, await asyncio.gather(*(one(u) for u in urls),
+                                                          return_exceptions=True)):
+            if isinstance(result, SYNC_ERRORS):
+                log.warning("weight sync v%d to %s failed (%s): it gets the weights when it "
+                            "answers again", version, url, result)
+                self.behind.add(url)
+            elif isinstance(result, BaseException):
+                raise result
+        values["vllm_behind"] = len(self.behind)
 
     async def _restart(self, force: bool) -> bool:
         """(Re)start the launched server on the newest weights: the newest disk copy, and
@@ -302,6 +354,8 @@ class PolicyServers:
         try:
             if self.method == "lora":
                 self.model_name = await self.lora.publish(model, version, weights)
+            elif self.config.vllm_supervised:
+                await self._publish_supervised(model, tokenizer, version, weights, values)
             elif self.method == "transfer":
                 await self._transfer(model, tokenizer, version, weights, values)
             else:
@@ -323,14 +377,16 @@ class PolicyServers:
                 await self._restart(force=True)
             values["vllm_restarts"] = self.managed.restarts
         values["sync_seconds"] = time.monotonic() - started
-        if self.check_sync and not self.checked:
+        if self.check_sync and (not self.checked or self.config.check_sync_every):
             values["sync_check_mean_abs_diff"] = await self.verify(
                 model, len(tokenizer) if tokenizer is not None else None)
+            values["sync_checked_servers"] = len(self.urls) - len(self.behind)
             self.checked = True
         return values
 
     async def _transfer(self, model: Any, tokenizer: Any, version: int,
-                        weights: dict[str, Any] | None, values: dict[str, Any]) -> None:
+                        weights: dict[str, Any] | None, values: dict[str, Any],
+                        urls: list[str] | None = None) -> None:
         """Pause every server, stream the weights in, resume. A server whose transfer
         fails is reloaded from a disk copy before it resumes; one that refuses
         transfers (``auto``) is synced from disk from then on."""
@@ -341,6 +397,9 @@ class PolicyServers:
 
         def on_disk() -> asyncio.Task:
             nonlocal disk_copy
+            if disk_copy is None and self.latest is not None \
+                    and self.latest.name == f"v{version:06d}":
+                disk_copy = asyncio.ensure_future(asyncio.sleep(0, self.latest))
             if disk_copy is None:
                 disk_copy = asyncio.ensure_future(self._save(model, tokenizer, version, weights))
             return disk_copy
@@ -368,7 +427,7 @@ class PolicyServers:
                 await self.sync.reload_paused(session, url, await on_disk())
                 await self.sync._post(session, f"{url}/resume")
 
-            await asyncio.gather(*(one(u) for u in self.urls))
+            await asyncio.gather(*(one(u) for u in urls or self.urls))
 
     async def verify(self, model: Any, vocab_size: int | None = None) -> float:
         """The post-sync check: every server's logprobs of tokens it samples with the new
@@ -378,14 +437,25 @@ class PolicyServers:
         return self.judge([sample_gap(model, s) for s in samples])
 
     async def check_samples(self, vocab_size: int) -> list[SyncSample]:
-        """What every server samples for the post-sync check (the trainer's side of it,
-        :func:`sample_gap`, runs on every rank when the model is sharded)."""
-        return [await sample_for_check(url, self.model_name or await self._served_name(url),
-                                       vocab_size) for url in self.urls]
+        """What every server that is not behind samples for the post-sync check (the
+        trainer's side of it, :func:`sample_gap`, runs on every rank when the model is
+        sharded). Supervised, a server that does not answer is left behind."""
+        samples = []
+        for url in [u for u in self.urls if u not in self.behind]:
+            try:
+                samples.append(await sample_for_check(
+                    url, self.model_name or await self._served_name(url), vocab_size))
+            except SYNC_ERRORS as error:
+                if not self.config.vllm_supervised:
+                    raise
+                log.warning("sync check: %s did not answer (%s): it gets the weights when "
+                            "it answers again", url, error)
+                self.behind.add(url)
+        return samples
 
     def judge(self, gaps: list[float]) -> float:
         """The worst server's gap; raises when it is past ``alignment_tolerance``."""
-        worst = max(gaps)
+        worst = max(gaps, default=0.0)
         self.checked = True
         log.info("sync check: mean |trainer - vLLM| logprob after the sync = %.2e", worst)
         if worst >= self.config.alignment_tolerance:

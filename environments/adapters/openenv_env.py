@@ -295,7 +295,9 @@ class OpenEnvEnv(TurnLevelRewardMixin, BaseEnv):
 
 def openenv_env_class(url: str) -> type[OpenEnvEnv]:
     """The env class of ``lachesis env ... openenv:URL``: ``url`` is its default, and its
-    name (the groups' ``env``) is ``openenv-HOST_PORT``."""
+    name (the groups' ``env``) is ``openenv-HOST_PORT``. The ``openenv`` env kind."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError("openenv:URL needs the server's http(s):// URL")
     parts = urlsplit(url)
     label = re.sub(r"[^A-Za-z0-9._-]+", "_", (parts.netloc + parts.path).strip("/")) or "server"
     config_class = create_model("OpenEnvConfig", __base__=OpenEnvConfig, url=(str, Field(

@@ -353,7 +353,10 @@ class VerifiersEnv(BaseEnv):
 def verifiers_env_class(taskset_id: str) -> type[VerifiersEnv]:
     """The env class of ``lachesis env ... verifiers:ID``: ``taskset_id`` is its default,
     its name (the groups' ``env``) ``verifiers-ID``. Checks that verifiers is installed
-    and that ID names a taskset (verifiers' own errors say what is wrong)."""
+    and that ID names a taskset (verifiers' own errors say what is wrong). The
+    ``verifiers`` env kind."""
+    if not taskset_id:
+        raise ValueError("verifiers:ID needs the taskset id (an importable module)")
     _require_verifiers()
     from verifiers.v1.utils.loaders import taskset_class
 

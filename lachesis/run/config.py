@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from environments.settings import load_settings
 
@@ -21,10 +28,12 @@ from environments.settings import load_settings
 _WIRED = {
     "api": {"host", "port", "db"},
     "env": {"api_url", "inference_servers", "tokenizer", "jsonl_out", "spool_path",
-            "eval_out", "total_groups"},
+            "eval_out", "total_groups", "env_weight"},
     "train": {"model", "tokenizer", "mode", "api_url", "data", "vllm_urls", "vllm_launch",
-              "run_dir", "resume"},
+              "vllm_supervised", "run_dir", "resume"},
 }
+TRAIN_LAYOUT = {"nproc", "devices"}
+"""Keys of ``train`` that place the trainer (not ``TrainConfig`` keys)."""
 
 
 class _Section(BaseModel):
@@ -32,8 +41,20 @@ class _Section(BaseModel):
 
 
 class VLLMSettings(_Section):
+    replicas: int = Field(default=1, ge=1)
+    """vLLM servers of the policy: every weight sync reaches each, every env server spreads
+    its requests over them (least in flight), and one that dies is restarted while the
+    run goes on."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs per replica (vLLM's ``--tensor-parallel-size``)."""
+    devices: list[int] | list[list[int]] | None = None
+    """GPUs of the replicas (each replica's CUDA_VISIBLE_DEVICES): one list per replica,
+    or one flat list cut in order into ``tensor_parallel_size`` devices per replica.
+    None: no placement (vLLM sees what the run sees)."""
+    max_restarts: int = Field(default=3, ge=0)
+    """How often one replica may be restarted before the run stops."""
     port: int | None = Field(default=None, ge=1, le=65535)
-    """None: a free port."""
+    """The first replica's port (replica i: port + i); None: free ports."""
     max_model_len: int = Field(default=4096, ge=16)
     dtype: str = "float32"
     kv_cache_gib: int = Field(default=2, ge=1)
@@ -44,11 +65,63 @@ class VLLMSettings(_Section):
     startup_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class EnvServerSettings(_Section):
+    """A server an env talks to that the run starts, health-checks and stops itself (an
+    OpenEnv server): from a command, or a docker image run with the host's network.
+    ``{port}`` in its command, and in the env's name, is the server's port."""
+
+    command: list[str] | None = None
+    """The command, e.g. ``[.venv-openenv/bin/python, -m, uvicorn, my_server:app, --port,
+    "{port}"]``; with ``docker_image``: the container's command (default: the image's)."""
+    docker_image: str | None = None
+    """Run this image (``docker run --rm --network host``; its server must listen on
+    ``{port}``, given to it as ``PORT``)."""
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """None: a free port."""
+    health_path: str = "/health"
+    """The server is up once ``GET http://127.0.0.1:{port}{health_path}`` answers."""
+    environment: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of the server (``{port}`` is replaced)."""
+    startup_timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_way_to_start(self) -> EnvServerSettings:
+        if self.command is None and self.docker_image is None:
+            raise ValueError("give the server's command or its docker_image")
+        return self
+
+
 class EnvSettings(_Section):
     name: str
-    """Registered env name, ``file.py:Class`` or ``module:Class``."""
+    """Registered env name, ``file.py:Class``, ``module:Class``, ``KIND:SPEC`` (e.g.
+    ``verifiers:ID``, ``openenv:URL``), or an atroposlib ``BaseEnv`` subclass as
+    ``module:Class`` or ``file.py:Class``."""
     settings: dict[str, Any] = Field(default_factory=dict)
-    """Keys of the env's config class."""
+    """Keys of the env's config class (an atroposlib env: ``env:`` and ``openai:``, its
+    ``--env.*`` and ``--openai.*`` flags)."""
+    python: str | None = None
+    """The Python interpreter of this env's processes, e.g. a venv with the env's own
+    dependencies (``.venv-verifiers/bin/python`` for ``verifiers:ID``); Lachesis's code is
+    put on its PYTHONPATH. None: the run's own."""
+    environment: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of this env's processes (a PYTHONPATH goes in front of
+    Lachesis's code)."""
+    server: EnvServerSettings | None = None
+    """A server of the env's (an OpenEnv server) that the run starts before the env and
+    stops at the end."""
+    count: int = Field(default=1, ge=1)
+    """Env servers of this env (each its own process, trajectory file and spool)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Its weight in the API's mix of groups, split evenly over its ``count`` servers
+    (each server's ``env_weight``)."""
+
+    @property
+    def label(self) -> str:
+        """The env's name as a file and process name (``openenv:http://h:1`` ->
+        ``openenv_http_h_1``, ``path/to/envs.py:MyEnv`` -> ``envs.py_MyEnv``)."""
+        where, _, cls = self.name.rpartition(":")
+        name = f"{Path(where).name}:{cls}" if where.endswith(".py") else self.name
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
 class WarmStartSettings(_Section):
@@ -90,6 +163,9 @@ class RunConfig(_Section):
     """With ``evaluate``: also before RL (off when the starting policy was measured already)."""
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """How long the rollout API and env servers may take to come up."""
+    shared_devices: list[int] = Field(default_factory=list)
+    """GPUs that may be given to more than one process on purpose (e.g. a small model's
+    vLLM replica beside a trainer rank); any other device given twice is an error."""
 
     @field_validator("name")
     @classmethod
@@ -105,19 +181,84 @@ class RunConfig(_Section):
     @property
     def rl_train(self) -> dict[str, Any]:
         """The RL phase's ``TrainConfig`` keys, with the ``lora`` section."""
-        return {**self.train, **({"lora": self.lora} if self.lora is not None else {})}
+        train = {k: v for k, v in self.train.items() if k not in TRAIN_LAYOUT}
+        return {**train, **({"lora": self.lora} if self.lora is not None else {})}
+
+    @property
+    def train_nproc(self) -> int:
+        """The trainer's processes (``train.nproc``; more than one: under torchrun)."""
+        return self.train.get("nproc", 1)
+
+    @property
+    def train_devices(self) -> list[int] | None:
+        """The trainer's GPUs (``train.devices``), one per process."""
+        return self.train.get("devices")
+
+    @property
+    def replica_devices(self) -> list[list[int] | None]:
+        """Each vLLM replica's devices (None: no placement)."""
+        v = self.vllm
+        if v.devices is None:
+            return [None] * v.replicas
+        if all(isinstance(d, int) for d in v.devices):
+            tp = v.tensor_parallel_size
+            return [list(v.devices[i * tp:(i + 1) * tp]) for i in range(v.replicas)]
+        return [list(d) for d in v.devices]
+
+    def check_layout(self) -> None:
+        """Devices and process counts that can work together (raises ValueError saying
+        what to change). Whether the devices exist is checked by the plan."""
+        v, tp = self.vllm, self.vllm.tensor_parallel_size
+        nproc, devices = self.train.get("nproc", 1), self.train.get("devices")
+        if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+            raise ValueError(f"train.nproc: {nproc!r} is not a process count (an integer >= 1)")
+        if devices is not None:
+            if not (isinstance(devices, list)
+                    and all(isinstance(d, int) and d >= 0 for d in devices)):
+                raise ValueError(f"train.devices: {devices!r} is not a list of GPU indices")
+            if len(devices) != nproc:
+                raise ValueError(f"train.devices: {len(devices)} devices for train.nproc "
+                                 f"{nproc} processes: give one device per process")
+        if v.devices is not None:
+            flat = all(isinstance(d, int) for d in v.devices)
+            if flat and len(v.devices) != v.replicas * tp:
+                raise ValueError(
+                    f"vllm.devices: {len(v.devices)} devices for {v.replicas} replica(s) of "
+                    f"tensor_parallel_size {tp}: give {v.replicas * tp}")
+            if not flat and len(v.devices) != v.replicas:
+                raise ValueError(f"vllm.devices: {len(v.devices)} lists for {v.replicas} "
+                                 "replica(s): give one list per replica")
+            for i, replica in enumerate(self.replica_devices):
+                if len(replica) != tp:
+                    raise ValueError(f"vllm.devices[{i}]: {len(replica)} devices for "
+                                     f"tensor_parallel_size {tp}")
+                if any(d < 0 for d in replica):
+                    raise ValueError(f"vllm.devices[{i}]: {replica} has a negative index")
+        owners: dict[int, list[str]] = {}
+        for i, replica in enumerate(self.replica_devices):
+            for d in replica or []:
+                owners.setdefault(d, []).append(f"vllm-{i}")
+        for rank, d in enumerate(devices or []):
+            owners.setdefault(d, []).append(f"trainer rank {rank}")
+        for d, names in sorted(owners.items()):
+            if len(names) > 1 and d not in self.shared_devices:
+                raise ValueError(
+                    f"device {d} is given to {' and '.join(names)}: give each process its "
+                    "own devices, or list it in shared_devices to share it on purpose")
 
     @classmethod
-    def load(cls, path: str | Path, **overrides: Any) -> RunConfig:
+    def load(cls, path: str | Path, *, check: bool = True, **overrides: Any) -> RunConfig:
+        """The run config of ``path`` (``check``: with every section checked, see
+        :meth:`check_sections`)."""
         config = load_settings(cls, path, None, overrides)
-        config.check_sections()
+        if check:
+            config.check_sections()
         return config
 
     def check_sections(self) -> None:
         """Validate every section against its process's settings model (raises ValueError
         naming the section and the key)."""
         from environments.api.schemas import APIConfig
-        from environments.framework.registry import load_env_class
         from trainer.config import TrainConfig
 
         def check(where: str, kind: str, settings: type[BaseModel], values: dict[str, Any],
@@ -131,23 +272,26 @@ class RunConfig(_Section):
             except ValidationError as error:
                 raise ValueError(f"{where}: {error}") from None
 
+        self.check_layout()
         check("api", "api", APIConfig, self.api)
         for i, env in enumerate(self.envs):
-            check(f"envs[{i}] ({env.name}).settings", "env",
-                  load_env_class(env.name).config_class, env.settings)
+            wired = sorted(set(env.settings) & _WIRED["env"])
+            if wired:
+                raise ValueError(f"envs[{i}] ({env.name}).settings: {', '.join(wired)} are "
+                                 "set by `lachesis run` itself; remove them")
+            try:
+                env_facts(env)
+            except (ValidationError, ValueError) as error:
+                raise ValueError(f"envs[{i}] ({env.name}).settings: {error}") from None
         if self.lora is not None and "lora" in self.train:
             raise ValueError("lora: set it at the top level or under train, not both")
         check("train", "train", TrainConfig, self.rl_train, model=self.model)
-        batch_size = TrainConfig.model_validate({"model": self.model, **self.rl_train}).batch_size
-        for i, env in enumerate(self.envs):
-            group_size = load_env_class(env.name).config_class.model_validate(
-                env.settings).group_size
-            if batch_size % group_size:
-                raise ValueError(
-                    f"envs[{i}] ({env.name}).settings: group_size {group_size} does not divide "
-                    f"train.batch_size {batch_size}; batches hold whole groups, so every "
-                    f"batch would have {batch_size - batch_size % group_size} sequences")
+        problems = batch_problems(self)
+        if problems:
+            raise ValueError(problems[0])
         if self.warm_start is not None:
+            from lachesis.env_kinds import load_env_class
+
             env_class = load_env_class(self.warm_start.env)
             if not hasattr(env_class, "oracle_messages"):
                 raise ValueError(f"warm_start.env: {self.warm_start.env} has no "
@@ -156,6 +300,72 @@ class RunConfig(_Section):
                   self.warm_start.settings)
             check("warm_start.train", "train", TrainConfig, self.warm_start.train,
                   model=self.model)
+
+
+_FACTS: dict[str, dict[str, Any]] = {}
+
+
+def env_facts(env: EnvSettings) -> dict[str, Any]:
+    """:func:`lachesis.env_kinds.env_facts` of ``env``, asked of the env's own interpreter
+    when it has one (``python``). Raises ValueError or LookupError saying what is wrong."""
+    import json
+    import os
+    import subprocess
+
+    key = json.dumps([env.name, env.settings, env.python, env.environment], sort_keys=True,
+                     default=str)
+    if key in _FACTS:
+        return _FACTS[key]
+    if env.python is None:
+        from lachesis.env_kinds import env_facts as facts
+
+        _FACTS[key] = facts(env.name, env.settings)
+        return _FACTS[key]
+    try:
+        done = subprocess.run(
+            [env.python, "-m", "lachesis.env_kinds", env.name, json.dumps(env.settings)],
+            env=env_process_environment(env, os.environ), capture_output=True, text=True,
+            timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ValueError(f"cannot run the env's python {env.python}: {error}") from None
+    if done.returncode != 0:
+        error = LookupError if done.returncode == 3 else ValueError
+        raise error(f"(checked with {env.python}) {done.stderr.strip()[-2000:] or 'no output'}")
+    _FACTS[key] = json.loads(done.stdout)
+    return _FACTS[key]
+
+
+def env_process_environment(env: EnvSettings, base: dict[str, str]) -> dict[str, str]:
+    """The environment variables of ``env``'s processes on top of ``base``: its own, and
+    Lachesis's code on the PYTHONPATH when it runs in another interpreter."""
+    import os
+
+    import lachesis
+
+    values = dict(env.environment)
+    if env.python is not None:
+        code = str(Path(lachesis.__file__).resolve().parent.parent)
+        values["PYTHONPATH"] = os.pathsep.join(
+            p for p in (values.get("PYTHONPATH"), code) if p)
+    return {**base, **values}
+
+
+def batch_problems(config: RunConfig) -> list[str]:
+    """Each env whose group size does not divide the trainer's batch (batches hold whole
+    groups)."""
+    from trainer.config import TrainConfig
+
+    batch_size = TrainConfig.model_validate({"model": config.model,
+                                             **config.rl_train}).batch_size
+    problems = []
+    for i, env in enumerate(config.envs):
+        group_size = env_facts(env)["group_size"]
+        if batch_size % group_size:
+            problems.append(
+                f"envs[{i}] ({env.name}).settings: group_size {group_size} does not divide "
+                f"train.batch_size {batch_size}; batches hold whole groups, so every "
+                f"batch would have {batch_size - batch_size % group_size} sequences")
+    return problems
 
 
 def write_yaml(path: Path, values: dict[str, Any]) -> Path:

@@ -4,14 +4,18 @@ Reads top to bottom:
 
 1. prepare the policy: build the tiny model if asked, SFT warm start on env
    demonstrations (skipped when its result exists);
-2. start the rollout API and vLLM; wait until both answer;
+2. start the rollout API and the vLLM replicas (:mod:`lachesis.run.layout` says where
+   each process goes); wait until all answer;
 3. evaluate every env (the "before" column);
-4. start one server per env and the trainer; show progress until the trainer finishes;
+4. start the env servers and the trainer; show progress until the trainer finishes;
 5. evaluate again on the synced weights (the "after" column); write the summary table and
    the reward curve;
 6. always: stop every process of the run, then kill whatever still carries the run's id.
 
-A process that dies stops the run: its log's tail is printed and the exit code is 1.
+A process that dies stops the run: its log's tail is printed and the exit code is 1. A
+vLLM replica is the exception: it is restarted (from the newest weights the trainer wrote,
+``vllm.max_restarts`` times at most) while the run goes on; the env servers route around
+it meanwhile and the trainer loads the newest weights into it when it answers again.
 Ctrl-C (or SIGTERM) stops everything cleanly.
 """
 
@@ -30,6 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from lachesis.run.config import RunConfig, write_yaml
+from lachesis.run.layout import (
+    EnvServer,
+    Layout,
+    Process,
+    build_layout,
+    lachesis_command,
+)
 from lachesis.run.processes import (
     RUN_ID_VARIABLE,
     ChildProcess,
@@ -45,22 +56,12 @@ class RunFailed(RuntimeError):
     """A process of the run died or did not come up; the message says which and why."""
 
 
-def _free_port() -> int:
-    from environments.inference.vllm_process import free_port
-
-    return free_port()
-
-
 def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return json.loads(response.read() or b"{}")
     except (OSError, urllib.error.URLError, ValueError):
         return None
-
-
-def _lachesis(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lachesis.cli", *args]
 
 
 class Supervisor:
@@ -71,6 +72,10 @@ class Supervisor:
         self.children: list[ChildProcess] = []
         self.live = live
         self.progress: RunProgress | None = None
+        self.restartable: set[str] = set()
+        """Names of processes restarted when they die (the vLLM replicas)."""
+        self.restarts: dict[str, int] = {}
+        self.layout: Layout | None = None
 
     # -- processes -----------------------------------------------------------------------
     def start(self, name: str, command: list[str], *, env: dict[str, str] | None = None,
@@ -82,14 +87,44 @@ class Supervisor:
         log.info("started %s (pid %d), log %s", name, child.proc.pid, child.log_path)
         return child
 
+    def start_process(self, process: Process) -> ChildProcess:
+        if process.settings is not None:
+            write_yaml(*process.settings)
+        return self.start(process.name, process.command, env=process.env)
+
     def check_alive(self, *allowed_to_finish: ChildProcess) -> None:
-        """Raise :class:`RunFailed` when a process of the run has exited."""
+        """Raise :class:`RunFailed` when a process of the run has exited (a vLLM replica
+        is restarted instead, up to ``vllm.max_restarts`` times)."""
         for child in self.children:
             code = child.returncode
             if code is None or (code == 0 and child in allowed_to_finish):
                 continue
+            if child.name in self.restartable \
+                    and self.restarts.get(child.name, 0) < self.config.vllm.max_restarts:
+                self.restart(child, code)
+                continue
             raise RunFailed(f"{child.name} exited with code {code}; last lines of "
                             f"{child.log_path}:\n{child.log_tail()}")
+
+    def restart(self, child: ChildProcess, code: int) -> None:
+        """Start a dead replica again, on the newest weights the trainer wrote (the
+        trainer loads newer ones into it once it answers)."""
+        child.stop()  # what is left of its process group
+        weights = self.newest_weights()
+        if weights is not None:
+            at = child.command.index("--model") + 1
+            child.command = [*child.command[:at], str(weights), *child.command[at + 1:]]
+        self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
+        self.say(f"{child.name} exited with code {code}: restarting it "
+                 f"({self.restarts[child.name]} of {self.config.vllm.max_restarts}) "
+                 f"on {weights or 'the starting model'}")
+        child.start()
+
+    def newest_weights(self) -> Path | None:
+        """The newest complete weights the trainer synced (``trainer/weights/vNNNNNN``)."""
+        found = [p for p in (self.run_dir / "trainer" / "weights").glob("v*")
+                 if p.is_dir() and not p.name.endswith(".tmp")]
+        return max(found, default=None)
 
     def wait_healthy(self, child: ChildProcess, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -144,7 +179,7 @@ class Supervisor:
             **ws.train, "model": model, "mode": "sft", "data": demos,
             "run_dir": sft_dir, "api_url": None, "tensorboard": False})
         self.say(f"warm start: SFT on {ws.demonstrations} {ws.env} demonstrations")
-        self.run_to_end("warm_start", _lachesis("train", "--config", str(train_yaml)))
+        self.run_to_end("warm_start", lachesis_command("train", "--config", str(train_yaml)))
         checkpoints = sorted((sft_dir / "checkpoints").glob("step_*"))
         if not checkpoints:
             raise RunFailed(f"warm start wrote no checkpoint under {sft_dir / 'checkpoints'}")
@@ -154,7 +189,7 @@ class Supervisor:
     def write_demonstrations(self, path: Path, tokenizer: str) -> Path:
         import asyncio
 
-        from environments.framework.registry import load_env_class
+        from lachesis.env_kinds import load_env_class
 
         ws = self.config.warm_start
         env_class = load_env_class(ws.env)
@@ -173,17 +208,20 @@ class Supervisor:
         tmp.rename(path)
         return path
 
-    def evaluate(self, label: str, env_yamls: list[tuple[str, Path]]) -> dict[str, Any]:
+    def evaluate(self, label: str, servers: list[EnvServer]) -> dict[str, Any]:
+        """Evaluate each env with the settings of ``servers`` (its first server's);
+        results by env name."""
         results = {}
-        for name, env_yaml in env_yamls:
-            out = self.run_dir / "eval" / f"{label}-{name}.json"
+        for server in servers:
+            file_name = server.env_label
+            out = self.run_dir / "eval" / f"{label}-{file_name}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            self.say(f"evaluating {name} ({label})")
-            self.run_to_end(f"eval-{label}-{name}", _lachesis(
-                "env", "evaluate", name, "--config", str(env_yaml),
-                "--eval-out", str(self.run_dir / "eval" / f"{label}-{name}.jsonl")),
-                stdout_path=out)
-            results[name] = json.loads(out.read_text())
+            self.say(f"evaluating {server.env_name} ({label})")
+            self.run_to_end(f"eval-{label}-{file_name}", lachesis_command(
+                "env", "evaluate", server.env_name, "--config", str(server.settings[0]),
+                "--eval-out", str(self.run_dir / "eval" / f"{label}-{file_name}.jsonl"),
+                python=server.python), env=server.env, stdout_path=out)
+            results[server.env_name] = json.loads(out.read_text())
         return results
 
     def say(self, text: str) -> None:
@@ -196,62 +234,59 @@ class Supervisor:
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         config, run_dir = self.config, self.run_dir
+        from lachesis.run.plan import device_count, device_problems
+
+        missing = device_problems(build_layout(config), device_count())
+        if missing:
+            raise RunFailed("; ".join(missing) + " (lachesis run CONFIG --plan shows the layout)")
         run_dir.mkdir(parents=True, exist_ok=True)
         become_subreaper()
         (run_dir / "run_id").write_text(self.run_id + "\n")  # the LACHESIS_RUN_ID of its processes
         write_yaml(run_dir / "configs" / "run.yaml", config.model_dump(mode="json"))
         model = self.prepare_model()
+        self.layout = layout = build_layout(config, model)
+        api_url = layout.api.url
 
-        api_port = config.api.get("port") or _free_port()
-        api_url = f"http://127.0.0.1:{api_port}"
-        api_yaml = write_yaml(run_dir / "configs" / "api.yaml", {
-            **config.api, "host": "127.0.0.1", "port": api_port,
-            "db": run_dir / "api" / "queue.sqlite"})
-        api = self.start("api", _lachesis("api", "--config", str(api_yaml)))
-
-        from environments.inference.vllm_process import VLLMProcess
-        from trainer.config import TrainConfig
-        from trainer.vllm_sync import vllm_options
-
-        v = config.vllm
-        # What the trainer's weight sync needs of vLLM (LoRA, a weight-transfer backend).
-        sync_args, sync_env = vllm_options(TrainConfig.model_validate(
-            {**config.rl_train, "model": model}))
-        server = VLLMProcess(model, port=v.port, max_model_len=v.max_model_len, dtype=v.dtype,
-                             kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
-                             gpu_memory_utilization=v.gpu_memory_utilization,
-                             served_model_name="policy", extra_args=[*v.args, *sync_args],
-                             env=sync_env, log_path=run_dir / "logs" / "vllm.log")
-        environment = server.environment()
-        vllm = self.start("vllm", server.command(), env={
-            k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
-                                        *sync_env) if k in environment})
+        api = self.start_process(layout.api)
+        replicas = [self.start_process(r) for r in layout.replicas]
+        backends = [self.start_process(b) for b in layout.backends]
         self.wait_healthy(api, api_url + "/status", config.startup_timeout_s)
-        self.wait_healthy(vllm, server.url + "/health", v.startup_timeout_s)
+        for child, replica in zip(replicas, layout.replicas):
+            self.wait_healthy(child, replica.url + "/health", config.vllm.startup_timeout_s)
+        self.restartable = {r.name for r in layout.replicas}
+        for child, backend, env in zip(backends, layout.backends,
+                                       [e for e in config.envs if e.server is not None]):
+            self.wait_healthy(child, backend.health_url, env.server.startup_timeout_s)
+        if layout.bridge is not None:
+            self.wait_healthy(self.start_process(layout.bridge), layout.bridge.health_url,
+                              config.startup_timeout_s)
 
-        env_yamls = []
-        for env in config.envs:
-            env_yamls.append((env.name, write_yaml(run_dir / "configs" / f"env-{env.name}.yaml", {
-                **env.settings, "api_url": api_url, "inference_servers": [server.url],
-                "tokenizer": model, "jsonl_out": run_dir / "trajectories" / f"{env.name}.jsonl",
-                "spool_path": run_dir / "spool" / f"{env.name}.jsonl"})))
+        for server in layout.envs:
+            write_yaml(*server.settings)
+        # Each env with its first server's settings; atroposlib envs evaluate themselves.
+        evaluated = [s for s in layout.envs if s.first and s.kind == "lachesis"]
         summary: dict[str, Any] = {"run_dir": str(run_dir), "model": model}
         if config.evaluate and config.evaluate_before:
-            summary["before"] = self.evaluate("before", env_yamls)
+            summary["before"] = self.evaluate("before", evaluated)
 
         train_dir = run_dir / "trainer"
-        train_yaml = write_yaml(run_dir / "configs" / "train.yaml", {
-            **config.rl_train, "model": model, "mode": "rl", "api_url": api_url,
-            "vllm_urls": [server.url], "run_dir": train_dir})
         total_steps = int(config.train.get("steps", 100))
         with RunProgress(config.name, total_steps, live=self.live) as progress:
             self.progress = progress
-            for name, env_yaml in env_yamls:
-                self.start(f"env-{name}", _lachesis("env", "serve", name, "--config", str(env_yaml)))
-            trainer = self.start("trainer", _lachesis("train", "--config", str(train_yaml)))
+            for server in layout.envs:
+                if server.kind == "lachesis":
+                    self.start_process(server)
+            trainer = self.start_process(layout.trainer)
+            # An atroposlib env reads the batch size from the API once, when it starts: it
+            # starts once the trainer has registered.
+            waiting = [s for s in layout.envs if s.kind == "atropos"]
             progress.phase = "training"
             while trainer.returncode is None:
                 self.check_alive(trainer)
+                if waiting and (_get_json(api_url + "/status") or {}).get("trainer_registered"):
+                    for server in waiting:
+                        self.start_process(server)
+                    waiting = []
                 progress.processes = {c.name: "up" if c.running else f"exit {c.returncode}"
                                       for c in self.children}
                 progress.update(last_metrics(train_dir / "metrics.jsonl"),
@@ -266,8 +301,10 @@ class Supervisor:
             child.stop()  # no more rollouts: vLLM now serves the final weights
             self.children.remove(child)
         if config.evaluate:
-            summary["after"] = self.evaluate("after", env_yamls)
+            summary["after"] = self.evaluate("after", evaluated)
 
+        if self.restarts:
+            summary["vllm_restarts"] = dict(self.restarts)
         from lachesis.run.report import write_summary
 
         summary.update(write_summary(run_dir, summary, train_dir / "metrics.jsonl"))

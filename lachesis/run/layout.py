@@ -1,0 +1,239 @@
+"""Where each process of ``lachesis run`` goes: its command line, devices, port, URL, log
+and settings file, decided once from the run config. The supervisor starts what the
+layout says; ``lachesis run CONFIG --plan`` prints it without starting anything.
+
+* The rollout API: one process.
+* vLLM: ``vllm.replicas`` servers, each with its own ``CUDA_VISIBLE_DEVICES``
+  (``tensor_parallel_size`` devices) and port.
+* The env servers: ``count`` per env, each told every replica's URL (it spreads its
+  requests over them, least in flight); the env's ``weight`` in the API's mix is split
+  evenly over its servers.
+* The trainer: ``train.nproc`` processes under torchrun (one device each), told every
+  replica's URL (every sync reaches each).
+* For an env with a ``server`` (an OpenEnv server): that server, started first; an
+  atroposlib env runs its own serve loop against the API, generating through one
+  ``lachesis atropos-generate`` over the replicas.
+
+Device indices are those the run itself sees: under ``CUDA_VISIBLE_DEVICES=4,5,6,7``,
+device 0 is GPU 4.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lachesis.run.config import EnvSettings, RunConfig, env_facts, env_process_environment
+
+
+def lachesis_command(*args: str, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "lachesis.cli", *args]
+
+
+@dataclass
+class Process:
+    """One process of the run, as it will be started."""
+
+    name: str
+    command: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables on top of the run's own."""
+    devices: list[int] | None = None
+    port: int | None = None
+    url: str | None = None
+    settings: tuple[Path, dict[str, Any]] | None = None
+    """The settings file the command reads, and what the supervisor writes into it."""
+    health_url: str | None = None
+    """Up once this answers."""
+
+
+@dataclass
+class EnvServer(Process):
+    env_name: str = ""
+    """The env's name in the config (``envs[].name``)."""
+    label: str = ""
+    kind: str = "lachesis"
+    """``lachesis`` (``lachesis env serve``) or ``atropos`` (an atroposlib env's own serve
+    loop, started once the trainer has registered)."""
+    python: str | None = None
+    env_label: str = ""
+    """The env's label (``label`` without the server's number)."""
+    first: bool = True
+    """The env's first server (whose settings its evaluation uses)."""
+
+
+@dataclass
+class Layout:
+    api: Process
+    replicas: list[Process]
+    envs: list[EnvServer]
+    trainer: Process
+    backends: list[Process] = field(default_factory=list)
+    """Servers the envs talk to (OpenEnv servers), started before them."""
+    bridge: Process | None = None
+    """``lachesis atropos-generate`` over the replicas, for atroposlib envs."""
+
+    @property
+    def processes(self) -> list[Process]:
+        return [self.api, *self.replicas, *self.backends,
+                *([self.bridge] if self.bridge else []), *self.envs, self.trainer]
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+
+def visible_devices(devices: list[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for ``devices`` (indices into what this process sees)."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in inherited.split(",")] if inherited else None
+    return ",".join(ids[d] if ids is not None and d < len(ids) else str(d) for d in devices)
+
+
+def _device_env(devices: list[int] | None) -> dict[str, str]:
+    return {} if devices is None else {"CUDA_VISIBLE_DEVICES": visible_devices(devices)}
+
+
+def free_port() -> int:
+    from environments.inference.vllm_process import free_port as pick
+
+    return pick()
+
+
+def policy_model(config: RunConfig) -> str:
+    """The model RL starts from: the warm start's result when there is one."""
+    if config.warm_start is not None:
+        return str(config.run_dir / "warm_start" / "final")
+    return config.model
+
+
+def build_layout(config: RunConfig, model: str | None = None) -> Layout:
+    """Every process of the RL phase (ports chosen now: the configured ones, else free
+    ones)."""
+    from environments.inference.vllm_process import VLLMProcess
+    from trainer.config import TrainConfig
+    from trainer.vllm_sync import vllm_options
+
+    model = model or policy_model(config)
+    run_dir = config.run_dir
+    logs, configs = run_dir / "logs", run_dir / "configs"
+
+    api_port = config.api.get("port") or free_port()
+    api_url = f"http://127.0.0.1:{api_port}"
+    api_yaml = configs / "api.yaml"
+    api = Process("api", lachesis_command("api", "--config", str(api_yaml)),
+                  logs / "api.log", port=api_port, url=api_url, settings=(api_yaml, {
+                      **config.api, "host": "127.0.0.1", "port": api_port,
+                      "db": run_dir / "api" / "queue.sqlite"}))
+
+    v = config.vllm
+    # What the trainer's weight sync needs of vLLM (LoRA, a weight-transfer backend).
+    sync_args, sync_env = vllm_options(TrainConfig.model_validate(
+        {**config.rl_train, "model": model}))
+    tp_args = ["--tensor-parallel-size", str(v.tensor_parallel_size)] \
+        if v.tensor_parallel_size > 1 else []
+    replicas = []
+    for i, devices in enumerate(config.replica_devices):
+        name = "vllm" if v.replicas == 1 else f"vllm-{i}"
+        server = VLLMProcess(model, port=v.port + i if v.port else free_port(),
+                             max_model_len=v.max_model_len, dtype=v.dtype,
+                             kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
+                             gpu_memory_utilization=v.gpu_memory_utilization,
+                             served_model_name="policy",
+                             extra_args=[*tp_args, *v.args, *sync_args], env=sync_env,
+                             log_path=logs / f"{name}.log")
+        environment = server.environment()
+        env = {k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
+                                           *sync_env) if k in environment}
+        replicas.append(Process(name, server.command(), logs / f"{name}.log",
+                                env={**env, **_device_env(devices)}, devices=devices,
+                                port=server.port, url=server.url))
+    urls = [r.url for r in replicas]
+
+    backends, envs, bridge = [], [], None
+    for env in config.envs:
+        name, kind = env.name, _kind(env)
+        if env.server is not None:
+            backends.append(env_backend(env, logs))
+            name = name.replace("{port}", str(backends[-1].port))
+        if kind == "atropos" and bridge is None:
+            port = free_port()
+            bridge = Process("atropos-generate", lachesis_command(
+                "atropos-generate", *[a for u in urls for a in ("--vllm-url", u)],
+                "--model", "policy", "--port", str(port)), logs / "atropos-generate.log",
+                port=port, url=f"http://127.0.0.1:{port}",
+                health_url=f"http://127.0.0.1:{port}/health")
+        environment = env_process_environment(env, {})
+        for k in range(env.count):
+            label = env.label if env.count == 1 else f"{env.label}-{k}"
+            env_yaml = configs / f"env-{label}.yaml"
+            if kind == "atropos":
+                settings = {
+                    "env": {**(env.settings.get("env") or {}), "rollout_server_url": api_url,
+                            "tokenizer_name": model, "use_wandb": False,
+                            "inference_weight": env.weight / env.count},
+                    "openai": {**(env.settings.get("openai") or {}),
+                               "base_url": f"{bridge.url}/v1", "tokenizer_name": model,
+                               "model_name": "policy", "server_type": "vllm"}}
+            else:
+                settings = {
+                    **env.settings, "api_url": api_url, "inference_servers": urls,
+                    "tokenizer": model, "env_weight": env.weight / env.count,
+                    "jsonl_out": run_dir / "trajectories" / f"{label}.jsonl",
+                    "spool_path": run_dir / "spool" / f"{label}.jsonl"}
+            envs.append(EnvServer(
+                f"env-{label}", lachesis_command("env", "serve", name, "--config",
+                                                 str(env_yaml), python=env.python),
+                logs / f"env-{label}.log", env=environment, settings=(env_yaml, settings),
+                env_name=name, label=label, kind=kind, python=env.python,
+                env_label=env.label, first=k == 0))
+
+    train_yaml = configs / "train.yaml"
+    nproc, devices = config.train_nproc, config.train_devices
+    if nproc > 1:
+        # --standalone: torchrun's rendezvous on a free local port.
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "-m", "lachesis.cli", "train",
+                   "--config", str(train_yaml)]
+    else:
+        command = lachesis_command("train", "--config", str(train_yaml))
+    trainer = Process("trainer", command, logs / "trainer.log", env=_device_env(devices),
+                      devices=devices, settings=(train_yaml, {
+                          **config.rl_train, "model": model, "mode": "rl", "api_url": api_url,
+                          "vllm_urls": urls, "vllm_supervised": True,
+                          "run_dir": run_dir / "trainer"}))
+    return Layout(api, replicas, envs, trainer, backends, bridge)
+
+
+def _kind(env: EnvSettings) -> str:
+    """``atropos`` for an atroposlib env, else ``lachesis`` (also when the env cannot be
+    loaded: the run's checks report that)."""
+    try:
+        return env_facts(env)["kind"]
+    except (ValueError, LookupError, OSError):
+        return "lachesis"
+
+
+def env_backend(env: EnvSettings, logs: Path) -> Process:
+    """The server ``env.server`` says to start (``{port}``: its port)."""
+    server = env.server
+    port = server.port or free_port()
+
+    def fill(text: str) -> str:
+        return text.replace("{port}", str(port))
+
+    environment = {k: fill(v) for k, v in server.environment.items()}
+    command = [fill(c) for c in server.command or []]
+    if server.docker_image is not None:
+        command = ["docker", "run", "--rm", "--network", "host",
+                   "--name", f"lachesis-{env.label}-{port}", "-e", f"PORT={port}",
+                   *[a for k, v in environment.items() for a in ("-e", f"{k}={v}")],
+                   server.docker_image, *command]
+    name = f"server-{env.label}"
+    url = f"http://127.0.0.1:{port}"
+    return Process(name, command, logs / f"{name}.log", env=environment, port=port, url=url,
+                   health_url=url + server.health_path)

@@ -1,0 +1,192 @@
+"""``lachesis run CONFIG --plan``: every process the run would start (command line,
+devices, port, URL, log), the batch arithmetic, and what cannot work, without starting
+anything.
+
+What is checked (each problem is one line saying what to change):
+
+* every section against its process's settings (:meth:`RunConfig.check_sections`: an env
+  that cannot be found, a wrong key, a device given to two processes, ...);
+* devices asked for that this machine does not have;
+* each env's group size divides the trainer's batch;
+* the model's vocabulary holds every id of the tokenizer, and the tokenizer has a chat
+  template the rollouts can use.
+
+More checks plug in through :data:`PLAN_CHECKS`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lachesis.run.config import RunConfig, batch_problems
+from lachesis.run.layout import Layout, build_layout, policy_model
+
+
+@dataclass
+class Plan:
+    config: RunConfig
+    layout: Layout | None
+    """None when the train section is too wrong to lay the run out."""
+    model: str
+    """The model RL starts from (the warm start's result when there is one)."""
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+PlanCheck = Callable[[Plan], list[str]]
+PLAN_CHECKS: list[PlanCheck] = []
+"""More checks of a plan, each returning its problems (one line each). The check that
+each env's ``max_token_length`` fits the servers' ``max_model_len`` belongs here."""
+
+
+def device_count() -> int:
+    """GPUs this process sees (0 without CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_problems(layout: Layout, present: int) -> list[str]:
+    problems = []
+    for process in layout.processes:
+        missing = [d for d in process.devices or [] if d >= present]
+        if missing:
+            problems.append(
+                f"{process.name}: device(s) {missing} asked for, but this machine has "
+                f"{present} GPU(s){' (CUDA_VISIBLE_DEVICES counts)' if present else ''}")
+    return problems
+
+
+def tokenizer_problems(model: str, planned_model: str) -> list[str]:
+    """The model's vocabulary against its tokenizer, and the chat template."""
+    if not Path(model).exists():
+        return []  # built or downloaded at start; nothing to read yet
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+    except ImportError:
+        return []
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        model_config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        return [f"model {model}: cannot read its tokenizer or config ({error})"]
+    problems = []
+    vocab = getattr(model_config, "vocab_size", None) \
+        or getattr(model_config.get_text_config(), "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        problems.append(
+            f"model {model}: the tokenizer has {len(tokenizer)} tokens but the model's "
+            f"vocabulary {vocab}: ids from {vocab} on would index past its embedding; use "
+            "the tokenizer the model was trained with")
+    from environments.inference.chat_template import ChatRenderer, ChatTemplateError
+
+    try:
+        ChatRenderer(tokenizer)
+    except ChatTemplateError as error:
+        problems.append(f"model {model}: {error}: rollouts render chats with it")
+    if model != planned_model:
+        problems = [f"{p} (the warm start trains from it)" for p in problems]
+    return problems
+
+
+def make_plan(config: RunConfig, *, devices_present: int | None = None) -> Plan:
+    """The layout of ``config`` and every problem found, starting nothing."""
+    model = policy_model(config)
+    problems = []
+    try:
+        config.check_sections()
+    except (ValueError, LookupError, OSError) as error:
+        problems.append(str(error))
+    try:
+        layout = build_layout(config, model)
+    except (ValueError, LookupError):  # the train section itself is wrong (reported)
+        layout = None
+    plan = Plan(config, layout, model, problems)
+    if layout is not None:
+        plan.problems += device_problems(layout, device_count() if devices_present is None
+                                         else devices_present)
+    try:  # every env whose group size does not fit, not only the first
+        plan.problems += [p for p in batch_problems(config) if p not in plan.problems]
+    except (ValueError, LookupError, OSError):
+        pass  # an env or the train section is wrong: reported above
+    plan.problems += tokenizer_problems(config.model, model)
+    for check in PLAN_CHECKS:
+        plan.problems += check(plan)
+    if config.build_tiny_model and not Path(config.model).exists():
+        plan.notes.append(f"the tiny model is built in {config.model} at start")
+    if config.warm_start is not None and not Path(model).exists():
+        plan.notes.append(f"the warm start (SFT on {config.warm_start.env} demonstrations) "
+                          f"writes {model} first")
+    return plan
+
+
+def batch_lines(config: RunConfig) -> list[str]:
+    from lachesis.env_kinds import load_env_class
+    from trainer.config import TrainConfig
+
+    train = TrainConfig.model_validate({"model": config.model, **config.rl_train})
+    lines = [f"batch: {train.batch_size} sequences per step, {train.steps} steps, "
+             f"weights synced every {train.sync_every} step(s)"]
+    total_weight = sum(env.weight for env in config.envs)
+    longest = 0
+    for env in config.envs:
+        try:
+            settings = load_env_class(env.name).config_class.model_validate(env.settings)
+        except (ValueError, LookupError, OSError):
+            lines.append(f"  {env.name}: cannot be loaded (see problems)")
+            continue
+        longest = max(longest, settings.max_token_length)
+        share = env.weight / total_weight
+        groups = train.batch_size / settings.group_size
+        lines.append(
+            f"  {env.name}: group size {settings.group_size}, {share:.0%} of the mix "
+            f"(weight {env.weight:g}, {env.count} server(s)); a batch of it alone holds "
+            f"{groups:g} groups; at most {settings.max_token_length} tokens per sequence")
+    if longest:
+        lines.append(f"  tokens per step: at most {train.batch_size} x {longest} = "
+                     f"{train.batch_size * longest:,}")
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    config = plan.config
+    lines = [f"plan of run {config.name!r} (nothing started); everything under "
+             f"{config.run_dir}/", f"model: {plan.model}"]
+    lines += [f"note: {n}" for n in plan.notes]
+    lines.append("")
+    lines.append("processes:" if plan.layout is not None else
+                 "processes: cannot be laid out (see problems)")
+    for p in plan.layout.processes if plan.layout is not None else []:
+        where = ", ".join(x for x in (
+            f"devices {','.join(map(str, p.devices))}" if p.devices is not None else
+            "devices not placed", f"port {p.port}" if p.port else "", p.url or "") if x)
+        lines.append(f"  {p.name}: {where}")
+        lines.append(f"    log: {p.log_path}")
+        if p.env:
+            lines.append(f"    env: {' '.join(f'{k}={v}' for k, v in sorted(p.env.items()))}")
+        lines.append(f"    $ {shlex.join(p.command)}")
+    lines.append("")
+    try:
+        lines += batch_lines(config)
+    except (ValueError, LookupError, OSError):
+        lines.append("batch: cannot be worked out (see problems)")
+    lines.append("")
+    if plan.problems:
+        lines.append(f"problems ({len(plan.problems)}): the run would not start")
+        lines += [f"  - {p}" for p in plan.problems]
+    else:
+        lines.append("problems: none found")
+    return "\n".join(lines)
+
+
+def print_plan(config: RunConfig, **kwargs: Any) -> int:
+    """Print the plan; 0 when no problem was found, else 1."""
+    plan = make_plan(config, **kwargs)
+    print(format_plan(plan), flush=True)
+    return 1 if plan.problems else 0

@@ -1,0 +1,240 @@
+"""The node layout of ``lachesis run`` (vLLM replicas, a torchrun trainer, env servers with
+counts and weights, each process's devices) and ``lachesis run CONFIG --plan``, which
+prints it and what cannot work without starting anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+from lachesis.run.config import RunConfig
+from lachesis.run.layout import build_layout, visible_devices
+from lachesis.run.plan import format_plan, make_plan
+
+ENV = {"group_size": 4, "max_token_length": 256}
+NODE = {
+    "name": "node", "model": "some/model",
+    "vllm": {"replicas": 2, "tensor_parallel_size": 2, "devices": [0, 1, 2, 3]},
+    "envs": [{"name": "arithmetic_tool", "count": 2, "weight": 3, "settings": ENV},
+             {"name": "examples/reverse_word_env.py:ReverseWordEnv",
+              "settings": {"group_size": 4}}],
+    "train": {"nproc": 2, "devices": [4, 5], "batch_size": 8, "steps": 2},
+}
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # the env file path of NODE is relative
+
+
+def config(tmp_path: Path, **changes) -> RunConfig:
+    return RunConfig.model_validate({**NODE, "runs_dir": str(tmp_path / "runs"), **changes})
+
+
+def test_each_process_gets_its_devices_ports_and_the_replicas(tmp_path):
+    run = config(tmp_path)
+    run.check_sections()
+    layout = build_layout(run)
+    names = [p.name for p in layout.processes]
+    assert names == ["api", "vllm-0", "vllm-1", "env-arithmetic_tool-0",
+                     "env-arithmetic_tool-1", "env-reverse_word_env.py_ReverseWordEnv",
+                     "trainer"]
+    v0, v1 = layout.replicas
+    assert (v0.devices, v1.devices) == ([0, 1], [2, 3])
+    assert (v0.env["CUDA_VISIBLE_DEVICES"], v1.env["CUDA_VISIBLE_DEVICES"]) == ("0,1", "2,3")
+    for replica in layout.replicas:
+        at = replica.command.index("--tensor-parallel-size")
+        assert replica.command[at + 1] == "2"
+        assert replica.command[replica.command.index("--port") + 1] == str(replica.port)
+    assert v0.port != v1.port and len({p.port for p in layout.processes if p.port}) == 3
+    # every env server and the trainer know every replica
+    urls = [v0.url, v1.url]
+    for server in layout.envs:
+        assert server.settings[1]["inference_servers"] == urls
+    arith = [s.settings[1] for s in layout.envs if s.env_name == "arithmetic_tool"]
+    assert [s["env_weight"] for s in arith] == [1.5, 1.5]  # weight 3 over 2 servers
+    assert len({str(s["jsonl_out"]) for s in arith} | {str(s["spool_path"]) for s in arith}) == 4
+    trainer = layout.trainer
+    assert trainer.command[1:8] == ["-m", "torch.distributed.run", "--standalone",
+                                    "--nproc-per-node", "2", "-m", "lachesis.cli"]
+    assert trainer.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    train = trainer.settings[1]
+    assert train["vllm_urls"] == urls and train["vllm_supervised"] is True
+    assert "nproc" not in train and "devices" not in train  # not TrainConfig keys
+
+
+def test_devices_are_indices_into_what_the_run_sees(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert visible_devices([0, 3]) == "4,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_devices([0, 3]) == "0,3"
+
+
+@pytest.mark.parametrize("changes,error", [
+    ({"train": {"nproc": 2, "devices": [3, 4]}},
+     "device 3 is given to vllm-1 and trainer rank 0: give each process its own devices, "
+     "or list it in shared_devices"),
+    ({"vllm": {"replicas": 2, "devices": [[0], [0]]}}, "device 0 is given to vllm-0 and vllm-1"),
+    ({"train": {"nproc": 2, "devices": [4]}}, "train.devices: 1 devices for train.nproc 2"),
+    ({"train": {"nproc": 0}}, "train.nproc: 0 is not a process count"),
+    ({"vllm": {"replicas": 2, "tensor_parallel_size": 2, "devices": [0, 1, 2]}},
+     "vllm.devices: 3 devices for 2 replica\\(s\\) of tensor_parallel_size 2: give 4"),
+    ({"vllm": {"replicas": 2, "tensor_parallel_size": 2, "devices": [[0, 1], [2]]}},
+     r"vllm.devices\[1\]: 1 devices for tensor_parallel_size 2"),
+])
+def test_a_layout_that_cannot_work_is_refused_naming_what_to_change(tmp_path, changes, error):
+    with pytest.raises(ValueError, match=error):
+        config(tmp_path, **changes).check_layout()
+
+
+def test_shared_devices_may_be_given_twice_on_purpose(tmp_path):
+    run = config(tmp_path, train={"nproc": 2, "devices": [3, 4], "batch_size": 8},
+                 shared_devices=[3])
+    run.check_layout()
+    assert build_layout(run).trainer.env["CUDA_VISIBLE_DEVICES"] == "3,4"
+
+
+def test_plan_finds_every_problem_and_starts_nothing(tmp_path, tiny_model_dir):
+    """Devices this machine lacks, group sizes that do not divide the batch (each env), an
+    env that cannot be found, a tokenizer larger than the model's vocabulary, a tokenizer
+    without a chat template."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / "config.json").read_text())
+    settings["vocab_size"] = 100
+    (model / "config.json").write_text(json.dumps(settings))
+    for path in [model / "chat_template.jinja", model / "tokenizer_config.json"]:
+        if path.name == "tokenizer_config.json":
+            values = json.loads(path.read_text())
+            values.pop("chat_template", None)
+            path.write_text(json.dumps(values))
+        else:
+            path.unlink(missing_ok=True)
+    bad = {**NODE, "name": "bad", "runs_dir": str(tmp_path / "runs"), "model": str(model),
+           "envs": [{"name": "arithmetic_tool", "settings": {"group_size": 3}},
+                    {"name": "examples/reverse_word_env.py:ReverseWordEnv",
+                     "settings": {"group_size": 5}}]}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    done = subprocess.run([sys.executable, "-m", "lachesis.cli", "run", str(path), "--plan"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+    for expected in [
+            "vllm-0: device(s) [0, 1] asked for, but this machine has 0 GPU(s)",
+            "trainer: device(s) [4, 5] asked for",
+            "group_size 3 does not divide train.batch_size 8",
+            "group_size 5 does not divide train.batch_size 8",
+            "the tokenizer has", "but the model's vocabulary 100",
+            "has no chat template",
+            "$ " + sys.executable + " -m torch.distributed.run --standalone --nproc-per-node 2",
+            "log: " + str(tmp_path / "runs" / "bad" / "logs" / "vllm-1.log"),
+            "CUDA_VISIBLE_DEVICES=2,3"]:
+        assert expected in out, f"{expected!r} not in:\n{out}"
+
+    missing = {**bad, "envs": [{"name": "no_such_env"}]}
+    path.write_text(yaml.safe_dump(missing))
+    plan = make_plan(RunConfig.load(path, check=False), devices_present=8)
+    text = format_plan(plan)
+    assert "unknown environment 'no_such_env'" in text and "problems (" in text
+
+
+def test_the_8_gpu_node_config_plans_cleanly_on_8_gpus():
+    """configs/node_8gpu.yaml (docs/node-layout.md): no problem but the model, which is not
+    on this machine, given 8 devices; all 8 are placed, none twice."""
+    run = RunConfig.load(REPO / "configs" / "node_8gpu.yaml", check=False)
+    plan = make_plan(run, devices_present=8)
+    assert plan.problems == []
+    placed = [d for p in plan.layout.processes for d in p.devices or []]
+    assert sorted(placed) == list(range(8))
+    assert [p.problems for p in [make_plan(run, devices_present=4)]][0] == [
+        "trainer: device(s) [4, 5, 6, 7] asked for, but this machine has 4 GPU(s) "
+        "(CUDA_VISIBLE_DEVICES counts)"]
+
+
+ATROPOS_ENV = '''
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig
+
+
+class TinyAtroposEnv(BaseEnv):
+    name = "tiny_atropos"
+
+    @classmethod
+    def config_init(cls):
+        return (BaseEnvConfig(group_size=4, max_token_length=256, use_wandb=False),
+                [APIServerConfig(model_name="tiny", api_key="x")])
+'''
+
+
+def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_python(
+        tmp_path):
+    """An OpenEnv server the run starts itself (``{port}``), an atroposlib env (its own
+    serve loop through atropos-generate, its settings in its own YAML shape), and an env
+    whose processes run in another interpreter, checked by that interpreter."""
+    atropos_file = tmp_path / "tiny_atropos.py"
+    atropos_file.write_text(ATROPOS_ENV)
+    run = config(tmp_path, vllm={"replicas": 2}, train={"batch_size": 8}, envs=[
+        {"name": "openenv:http://127.0.0.1:{port}", "settings": {"group_size": 4},
+         "server": {"command": ["python", "-m", "uvicorn", "server:app", "--port", "{port}"],
+                    "environment": {"URL": "http://127.0.0.1:{port}/x"}}},
+        {"name": f"{atropos_file}:TinyAtroposEnv", "count": 2, "weight": 2,
+         "settings": {"env": {"max_num_workers": 2}, "openai": {"api_key": "y"}}},
+        {"name": "reverse_word_env:ReverseWordEnv", "python": sys.executable,
+         "environment": {"PYTHONPATH": str(REPO / "examples")},
+         "settings": {"group_size": 2}}])
+    run.check_sections()
+    layout = build_layout(run)
+    [server] = layout.backends
+    port = server.port
+    assert server.command == ["python", "-m", "uvicorn", "server:app", "--port", str(port)]
+    assert server.env == {"URL": f"http://127.0.0.1:{port}/x"}
+    assert server.health_url == f"http://127.0.0.1:{port}/health"
+    openenv, atropos0, atropos1, other = layout.envs
+    assert openenv.env_name == f"openenv:http://127.0.0.1:{port}"
+    assert (openenv.kind, atropos0.kind, other.kind) == ("lachesis", "atropos", "lachesis")
+    bridge = layout.bridge
+    assert bridge.command[3:] == ["atropos-generate", "--vllm-url", layout.replicas[0].url,
+                                  "--vllm-url", layout.replicas[1].url, "--model", "policy",
+                                  "--port", str(bridge.port)]
+    settings = atropos1.settings[1]
+    assert settings["env"] == {"max_num_workers": 2, "rollout_server_url": layout.api.url,
+                               "tokenizer_name": "some/model", "use_wandb": False,
+                               "inference_weight": 1.0}
+    assert settings["openai"]["base_url"] == f"{bridge.url}/v1"
+    assert settings["openai"]["api_key"] == "y"
+    assert other.command[0] == sys.executable
+    assert other.env["PYTHONPATH"] == os.pathsep.join([str(REPO / "examples"), str(REPO)])
+
+    # what is wrong with each is said before anything starts
+    for env, error in [
+            ({"name": f"{atropos_file}:TinyAtroposEnv", "settings": {"group_size": 4}},
+             "an atroposlib env's settings are `env:` and `openai:`"),
+            ({"name": f"{atropos_file}:TinyAtroposEnv",
+              "settings": {"env": {"rollout_server_url": "x"}}},
+             "env: rollout_server_url are set by `lachesis run`"),
+            ({"name": "reverse_word_env:ReverseWordEnv", "python": sys.executable,
+              "environment": {"PYTHONPATH": str(REPO / "examples")},
+              "settings": {"group_size": "many"}}, "checked with"),
+            ({"name": "openenv:http://127.0.0.1:{port}", "server": {}},
+             "give the server's command or its docker_image")]:
+        with pytest.raises(ValueError, match=error):
+            config(tmp_path, train={"batch_size": 8}, envs=[env]).check_sections()
+
+
+def test_an_atropos_env_runs_its_own_cli_under_lachesis_env(tmp_path):
+    atropos_file = tmp_path / "tiny_atropos.py"
+    atropos_file.write_text(ATROPOS_ENV)
+    done = subprocess.run([sys.executable, "-m", "lachesis.cli", "env", "serve",
+                           f"{atropos_file}:TinyAtroposEnv", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--env.rollout_server_url" in done.stdout and "--openai.base_url" in done.stdout
