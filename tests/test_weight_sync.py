@@ -251,3 +251,27 @@ def test_fsdp_ranks_stream_the_tied_model_in_memory_and_check_the_sync(server, r
     metrics = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
     assert metrics["sync_check_mean_abs_diff"] < TOLERANCE and "sync_fallbacks" not in metrics
     assert not (tmp_path / "run" / "weights").exists()  # streamed, not saved
+
+
+def test_a_tied_checkpoint_needs_its_head_for_an_in_place_reload(server, tmp_path):
+    """Why the trainer's checkpoints carry the tied ``lm_head.weight``: vLLM 0.32 (CPU)
+    reloads a plain ``save_pretrained`` checkpoint of a tied model without refreshing the
+    output head it serves from, and the sync check sees it; the trainer's checkpoint of
+    the same weights is served exactly."""
+    from trainer.vllm_sync import TIED_WEIGHTS_FILE, VLLMWeightSync
+    from vllm_fixture import restore_weights
+
+    model = perturbed(server.model_dir, seed=6)
+    sync = VLLMWeightSync([server.url], tmp_path / "weights")
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)
+    try:
+        asyncio.run(sync.reload(plain))
+        stale = gap(server, "tiny", model)
+        path = sync.save(model, None, 1)
+        asyncio.run(sync.reload(path))
+        fresh = gap(server, "tiny", model)
+    finally:
+        restore_weights(server)
+    assert (path / TIED_WEIGHTS_FILE).exists()
+    assert stale > 100 * TOLERANCE and fresh < TOLERANCE
