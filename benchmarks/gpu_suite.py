@@ -137,7 +137,8 @@ def sync_times(args, shape: Shape, work: Path) -> dict:
     if importlib.util.find_spec("vllm") is None:
         return {"error": "vLLM is not installed"}
     command = [sys.executable, __file__, "--sync-worker", shape.model, "--device", args.device,
-               "--json", str(work / f"{shape.model}-sync.json")]
+               "--json", str(work / f"{shape.model}-sync.json"),
+               *(["--vllm-url", args.vllm_url] if args.vllm_url else [])]
     print("$", " ".join(command[1:]), flush=True)
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=args.timeout)
@@ -147,10 +148,15 @@ def sync_times(args, shape: Shape, work: Path) -> dict:
     return json.loads((work / f"{shape.model}-sync.json").read_text())
 
 
-def sync_worker(model_name: str, device_name: str, out: Path, rounds: int = 3) -> None:
-    """Build the shape, save it, serve it with vLLM, then time ``rounds`` in-memory syncs
-    and one disk sync of perturbed weights into it (each followed by the post-sync
-    check, which fails the run if vLLM does not serve the new weights)."""
+def sync_worker(model_name: str, device_name: str, out: Path, rounds: int = 3,
+                vllm_url: str | None = None) -> None:
+    """Build the shape, save it, serve it with vLLM (or use the server at ``vllm_url``,
+    which must serve these weights and accept transfers), then time ``rounds`` in-memory
+    syncs and one disk sync of perturbed weights into it, each followed by the post-sync
+    check, which fails the run if vLLM does not serve the new weights. A server it did
+    not start gets the original weights back."""
+    import contextlib
+
     import torch
 
     sys.path.insert(0, str(REPO_ROOT))
@@ -162,7 +168,8 @@ def sync_worker(model_name: str, device_name: str, out: Path, rounds: int = 3) -
     from trainer.vllm_sync import PolicyServers, vllm_options
 
     device = torch.device(device_name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
     with tempfile.TemporaryDirectory(prefix="lachesis-sync-") as tmp:
         tmp = Path(tmp)
         model, _ = build_model(model_name, device, dtype, tmp)
@@ -175,41 +182,46 @@ def sync_worker(model_name: str, device_name: str, out: Path, rounds: int = 3) -
             AutoTokenizer.from_pretrained(tmp / model_name).save_pretrained(tmp / "model")
         config = TrainConfig(model=str(tmp / "model"), run_dir=tmp / "run",
                              weight_sync="transfer", tensorboard=False,
-                             dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+                             dtype="bfloat16" if gpu else "float32")
         args, env = vllm_options(config)
-        gpu = device.type == "cuda"
-        server = VLLMProcess(tmp / "model", served_model_name="bench", max_model_len=1024,
-                             dev_mode=True, dtype="bfloat16" if gpu else "float32",
-                             gpu_memory_utilization=0.35 if gpu else 0.3,
-                             enforce_eager=not gpu, env=env,
-                             # token ids in and out: a shape without a tokenizer serves too
-                             extra_args=[*args, *([] if tokenizer else
-                                                  ["--skip-tokenizer-init"])],
-                             log_path=tmp / "vllm.log")
+        server = contextlib.nullcontext() if vllm_url else VLLMProcess(
+            tmp / "model", served_model_name="bench", max_model_len=1024, dev_mode=True,
+            dtype="bfloat16" if gpu else "float32",
+            gpu_memory_utilization=0.35 if gpu else 0.3, enforce_eager=not gpu, env=env,
+            # token ids in and out: a shape without a tokenizer serves too
+            extra_args=[*args, *([] if tokenizer else ["--skip-tokenizer-init"])],
+            log_path=tmp / "vllm.log")
+        original = {k: v.clone() for k, v in model.state_dict().items()}
         results: dict = {"transfer_seconds": [], "disk_seconds": []}
+
+        async def publish(method: str, version: int, scale: float = 1.001) -> float:
+            servers = PolicyServers(config.model_copy(update={"weight_sync": method}),
+                                    tmp / "run", check_sync=False)
+            await servers.start()
+            try:
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.mul_(scale)
+                started = time.monotonic()
+                await servers.publish(model, None, version, None)
+                seconds = time.monotonic() - started
+                results.setdefault("check_mean_abs_diff", []).append(
+                    await servers.verify(model))  # raises if vLLM did not get them
+                return seconds
+            finally:
+                await servers.stop()
+
         with server:
-            config = config.model_copy(update={"vllm_urls": [server.url]})
-
-            async def publish(method: str, version: int) -> float:
-                servers = PolicyServers(config.model_copy(update={"weight_sync": method}),
-                                        tmp / "run", check_sync=False)
-                await servers.start()
-                try:
-                    with torch.no_grad():
-                        for parameter in model.parameters():
-                            parameter.mul_(1.001)
-                    started = time.monotonic()
-                    await servers.publish(model, None, version, None)
-                    seconds = time.monotonic() - started
-                    results.setdefault("check_mean_abs_diff", []).append(
-                        await servers.verify(model))  # raises if vLLM did not get them
-                    return seconds
-                finally:
-                    await servers.stop()
-
-            for version in range(1, rounds + 1):
-                results["transfer_seconds"].append(asyncio.run(publish("transfer", version)))
-            results["disk_seconds"].append(asyncio.run(publish("disk", rounds + 1)))
+            url = vllm_url or server.url
+            config = config.model_copy(update={"vllm_urls": [url]})
+            try:
+                for version in range(1, rounds + 1):
+                    results["transfer_seconds"].append(asyncio.run(publish("transfer", version)))
+                results["disk_seconds"].append(asyncio.run(publish("disk", rounds + 1)))
+            finally:
+                if vllm_url:  # not ours: its weights as they were
+                    model.load_state_dict(original)
+                    asyncio.run(publish("disk", rounds + 2, scale=1.0))
         results["backend"] = "nccl" if gpu else "shm"
         results["parameters"] = sum(p.numel() for p in model.parameters())
     out.write_text(json.dumps(results, indent=2) + "\n")
@@ -276,11 +288,16 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sync", dest="sync", action="store_false",
                         help="skip the vLLM sync times")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per measurement")
+    parser.add_argument("--vllm-url",
+                        help="sync into this running vLLM server instead of starting one "
+                             "(one shape only; it must serve that shape's weights, e.g. the "
+                             "tests' tiny tied Qwen2, and accept in-memory transfers); it gets "
+                             "its weights back at the end")
     parser.add_argument("--sync-worker", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.sync_worker:
-        sync_worker(args.sync_worker, args.device, args.json)
+        sync_worker(args.sync_worker, args.device, args.json, vllm_url=args.vllm_url)
         return 0
     if args.device == "cuda" and args.tiny:
         parser.error("--tiny is the CPU mode: use it with --device cpu")
@@ -294,6 +311,8 @@ def main(argv=None) -> int:
             parser.error(f"--models: unknown {sorted(unknown)}; these are "
                          f"{[s.model for s in shapes]}")
         shapes = [s for s in shapes if s.model in wanted]
+    if args.vllm_url and len(shapes) != 1:
+        parser.error("--vllm-url serves one model: name its shape with --models")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     rows = [measure_shape(args, shape, args.out) for shape in shapes]

@@ -132,7 +132,7 @@ def api_process():
     yield factory
     for p in started:
         p.kill()
-from vllm_fixture import tiny_model_dir, vllm_server  # noqa: E402,F401  (one vLLM server per test session)
+from vllm_fixture import tiny_model_dir, transfer_vllm_server, vllm_server  # noqa: E402,F401  (one vLLM server per test session)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,13 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from environments.inference import weight_transfer as gloo
-from environments.inference.vllm_process import VLLMProcess
 from trainer.config import TrainConfig
-from trainer.lora import LoraSettings
-from trainer.lora import vllm_options as lora_options
 from trainer.train import train
 from trainer.vllm_sync import PolicyServers, served_logprob_gap
-from trainer.vllm_transfer import vllm_options as transfer_options
 
 pytestmark = pytest.mark.vllm  # the module's server, and one a test launches
 
@@ -30,16 +26,9 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    """One vLLM CPU server for the module: runtime LoRA loading and gloo weight transfer."""
-    lora_args, lora_env = lora_options(LoraSettings(rank=8))
-    transfer_args, transfer_env = transfer_options("shm")
-    process = VLLMProcess(tiny_model_dir, served_model_name="tiny", max_model_len=1024,
-                          dev_mode=True, extra_args=[*lora_args, *transfer_args],
-                          env={**lora_env, **transfer_env},
-                          log_path=tmp_path_factory.mktemp("vllm") / "server.log")
-    with process:
-        yield process
+def server(transfer_vllm_server):
+    """The session's vLLM CPU server with runtime LoRA loading and shm weight transfer."""
+    return transfer_vllm_server
 
 
 @pytest.fixture(scope="module")

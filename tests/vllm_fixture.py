@@ -50,6 +50,28 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def transfer_vllm_server(tiny_model_dir, tmp_path_factory):
+    """A second server of the tests' model that also hot-loads LoRA adapters and takes
+    in-memory weight transfers (the shm backend), served as ``tiny`` (test_weight_sync.py,
+    test_gpu_suite.py)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    from environments.inference.vllm_process import VLLMProcess
+    from trainer.lora import LoraSettings
+    from trainer.lora import vllm_options as lora_options
+    from trainer.vllm_transfer import vllm_options as transfer_options
+
+    lora_args, lora_env = lora_options(LoraSettings(rank=8))
+    transfer_args, transfer_env = transfer_options("shm")
+    process = VLLMProcess(tiny_model_dir, served_model_name=TINY_MODEL_NAME, max_model_len=1024,
+                          dev_mode=True, extra_args=[*lora_args, *transfer_args],
+                          env={**lora_env, **transfer_env},
+                          log_path=tmp_path_factory.mktemp("vllm") / "transfer-server.log")
+    with process:
+        yield process
+
+
 async def reload_original(server) -> None:
     """Give ``server`` its model's original weights back, in place (a test that synced
     trained weights into the session's server ends with this). The reload goes through
