@@ -192,6 +192,8 @@ def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_py
          "environment": {"PYTHONPATH": str(REPO / "examples")},
          "settings": {"group_size": 2}}])
     run.check_sections()
+    text = format_plan(make_plan(run, devices_present=0))
+    assert "problems: none found" in text and "(atroposlib env): group size 4" in text
     layout = build_layout(run)
     [server] = layout.backends
     port = server.port

@@ -215,9 +215,6 @@ class LetterEEnv(TurnLevelRewardMixin, BaseEnv):
     def rollout_metrics(self, item, rollout, scores):
         return {"letter_e": 1.0}
 """
-# The OpenEnv server's guesses, kept to well-formed tool calls of the tiny model (as in
-# tests/test_adapters.py): the tokens are still sampled from the model.
-GUESS = r'<tool_call>\n\{"name": "step", "arguments": \{"guess": [1-3]\}\}\n</tool_call>'
 
 
 def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, tmp_path):
@@ -234,8 +231,13 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     The env servers are held (SIGSTOP) while the replica restarts, so that the run cannot
     end before it is back."""
     from third_party import openenv_python
+    from transformers import AutoTokenizer
 
-    steps = 6
+    steps = 8
+    # A logit bias (vLLM's logprobs are from before it, unlike a grammar's) makes the
+    # random model open tool calls and end turns: multi-turn OpenEnv episodes.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    bias = {str(tokenizer.convert_tokens_to_ids(t)): 5 for t in ("<tool_call>", "<|im_end|>")}
     env_file = tmp_path / "letter_e.py"
     env_file.write_text(LETTER_E_ENV)
     config = write_config(
@@ -246,8 +248,9 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
             "max_queued_groups": 2}},
               {"name": "openenv:http://127.0.0.1:{port}", "weight": 0.5, "settings": {
                   "group_size": 4, "max_turns": 3, "max_token_length": 3000,
-                  "max_queued_groups": 1, "keep_equal_score_groups": True,
-                  "sampling_extra": {"structured_outputs": {"regex": GUESS}}},
+                  "min_batch_allocation": 0.25, "max_queued_groups": 4,
+                  "keep_equal_score_groups": True,
+                  "max_tokens_per_turn": 60, "sampling_extra": {"logit_bias": bias}},
                "server": {"command": [str(openenv_python()), "-m", "uvicorn",
                                       "openenv_guess_server:app", "--port", "{port}",
                                       "--app-dir", str(REPO / "tests" / "adapter_envs")],
@@ -291,8 +294,10 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     assert summary["vllm_restarts"] == {"vllm-1": 1}
     second = (run_dir / "logs" / "vllm-1.log").read_text().split("\n$ ")[1].split("\n")[0]
     assert "/trainer/weights/v" in second  # restarted on synced weights
-    # groups of both envs were trained (their own metrics reached the trainer)
-    assert any("env/letter_e" in m for m in metrics) and any("env/done" in m for m in metrics)
+    # groups of both envs were trained (the OpenEnv env asks for a quarter of each batch):
+    # their own metrics reached the trainer
+    assert all("env/done" in m for m in metrics)
+    assert any("env/letter_e" in m for m in metrics)
     # no group lost: every group pushed was trained or is still queued, none set aside;
     # every env server contributed
     trained = sum(m["groups"] for m in metrics)
@@ -339,3 +344,33 @@ def replica_pid(run: str, port: str) -> int:
         if b"vllm.entrypoints.openai.api_server" in cmdline and port.encode() in cmdline:
             return pid
     raise AssertionError(f"no vLLM process on port {port}")
+
+
+def test_an_atropos_env_runs_under_lachesis_run(tiny_model_dir, tmp_path):
+    """An unchanged atroposlib env (tests/test_atropos.py's) as an `envs:` entry: the run
+    starts atropos-generate over its replica and the env's own serve loop once the
+    trainer has registered; the trainer trains on its groups."""
+    import sqlite3
+
+    from test_atropos import ATROPOS_ENV
+
+    env_file = tmp_path / "letter_e_atropos.py"
+    env_file.write_text(ATROPOS_ENV)
+    config = write_config(
+        tmp_path, tiny_model_dir, "atropos", warm_start=None, evaluate=False,
+        envs=[{"name": f"{env_file}:LetterEEnv", "settings": {"env": {"max_num_workers": 2}}}],
+        train={**SHORT_RUN["train"], "steps": 2})
+    run = start_run(config)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "runs" / "atropos"
+    assert processes_of_run(run_id(run_dir)) == []
+    assert {"atropos-generate", "env-letter_e_atropos.py_LetterEEnv"} <= \
+        {p.stem for p in (run_dir / "logs").glob("*.log")}
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["groups"] for m in metrics] == [2, 2]
+    with sqlite3.connect(run_dir / "api" / "queue.sqlite") as db:
+        envs = {json.loads(record)["desired_name"] for (record,) in
+                db.execute("SELECT record FROM envs")}
+        trained = db.execute("SELECT count(*) FROM groups WHERE state = 'done'").fetchone()[0]
+    assert envs == {"letter_e_atropos"} and trained == 4
