@@ -228,8 +228,8 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     syncs check both replicas again, groups of both envs are trained, and the run
     finishes every step with no group lost.
 
-    The env servers are held (SIGSTOP) while the replica restarts, so that the run cannot
-    end before it is back."""
+    The trainer is held (SIGSTOP) from when it has noticed the dead replica until the
+    replica is back, so that the run cannot end before then."""
     from third_party import openenv_python
     from transformers import AutoTokenizer
 
@@ -243,13 +243,12 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     config = write_config(
         tmp_path, tiny_model_dir, "node", warm_start=None, evaluate=False,
         vllm={"replicas": 2, "max_model_len": 4096, "kv_cache_gib": 1},
-        envs=[{"name": f"{env_file}:LetterEEnv", "count": 2, "settings": {
+        envs=[{"name": f"{env_file}:LetterEEnv", "count": 2, "weight": 2, "settings": {
             "group_size": 4, "max_turns": 1, "max_tokens_per_turn": 24,
             "max_queued_groups": 2}},
               {"name": "openenv:http://127.0.0.1:{port}", "weight": 0.5, "settings": {
                   "group_size": 4, "max_turns": 3, "max_token_length": 3000,
-                  "min_batch_allocation": 0.25, "max_queued_groups": 4,
-                  "keep_equal_score_groups": True,
+                  "max_queued_groups": 4, "keep_equal_score_groups": True,
                   "max_tokens_per_turn": 60, "sampling_extra": {"logit_bias": bias}},
                "server": {"command": [str(openenv_python()), "-m", "uvicorn",
                                       "openenv_guess_server:app", "--port", "{port}",
@@ -260,21 +259,24 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     run = start_run(config)
     run_dir = tmp_path / "runs" / "node"
     metrics_file = run_dir / "trainer" / "metrics.jsonl"
+    trainer_log = run_dir / "logs" / "trainer.log"
     try:
         wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
                  600, "the first step", run)
-        env_servers = [pid for pid in processes_of_run(run_id(run_dir))
-                       if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-        for pid in env_servers:
-            os.kill(pid, signal.SIGSTOP)
         command = (run_dir / "logs" / "vllm-1.log").read_text().splitlines()[0]
         port = command.split("--port ")[1].split()[0]
         os.killpg(os.getpgid(replica_pid(run_id(run_dir), port)), signal.SIGKILL)
+        wait_for(lambda: "when it answers again" in trainer_log.read_text(), 300,
+                 "the trainer to leave the dead replica behind", run)
+        trainer = [pid for pid in processes_of_run(run_id(run_dir))
+                   if b"train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        for pid in trainer:
+            os.kill(pid, signal.SIGSTOP)
         wait_for(lambda: (run_dir / "logs" / "vllm-1.log").read_text().count("\n$ ") == 1,
                  60, "the restart", run)
         wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 600,
                  "the restarted replica", run)
-        for pid in env_servers:
+        for pid in trainer:
             os.kill(pid, signal.SIGCONT)
         out, err = run.communicate(timeout=900)
     finally:
@@ -294,10 +296,8 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     assert summary["vllm_restarts"] == {"vllm-1": 1}
     second = (run_dir / "logs" / "vllm-1.log").read_text().split("\n$ ")[1].split("\n")[0]
     assert "/trainer/weights/v" in second  # restarted on synced weights
-    # groups of both envs were trained (the OpenEnv env asks for a quarter of each batch):
-    # their own metrics reached the trainer
-    assert all("env/done" in m for m in metrics)
-    assert any("env/letter_e" in m for m in metrics)
+    # groups of both envs were trained: their own metrics reached the trainer
+    assert any("env/done" in m for m in metrics) and any("env/letter_e" in m for m in metrics)
     # no group lost: every group pushed was trained or is still queued, none set aside;
     # every env server contributed
     trained = sum(m["groups"] for m in metrics)

@@ -39,8 +39,9 @@ class Plan:
 
 PlanCheck = Callable[[Plan], list[str]]
 PLAN_CHECKS: list[PlanCheck] = []
-"""More checks of a plan, each returning its problems (one line each). The check that
-each env's ``max_token_length`` fits the servers' ``max_model_len`` belongs here."""
+"""More checks of a plan, each returning its problems (one line each); ``--plan`` prints
+them and ``lachesis run`` refuses to start on them. The check that each env's
+``max_token_length`` fits the servers' ``max_model_len`` belongs here."""
 
 
 def device_count() -> int:
