@@ -86,6 +86,33 @@ def verifiers_env_process():
     return str(python), env
 
 
+def test_a_run_checks_a_verifiers_env_with_the_verifiers_venvs_python(verifiers_env_process,
+                                                                       tmp_path):
+    """`lachesis run` (whose own venv has no verifiers) checks a `verifiers:ID` env by
+    asking the env's `python`; its processes run there with this repository on the path."""
+    from lachesis.run.config import RunConfig
+    from lachesis.run.layout import build_layout
+
+    python, _ = verifiers_env_process
+
+    def run(settings: dict) -> RunConfig:
+        return RunConfig.model_validate({
+            "name": "vf", "model": "some/model", "runs_dir": str(tmp_path),
+            "train": {"batch_size": 8}, "envs": [{
+                "name": "verifiers:vf_add", "python": python, "settings": settings,
+                "environment": {"PYTHONPATH": str(ADAPTER_ENVS)}}]})
+
+    good = run({"group_size": 4, "per_turn_scores": True})
+    good.check_sections()
+    [server] = build_layout(good).envs
+    assert server.command[:4] == [python, "-m", "lachesis.cli", "env"]
+    assert server.env["PYTHONPATH"] == os.pathsep.join([str(ADAPTER_ENVS), str(REPO)])
+    with pytest.raises(ValueError, match=r"(?s)checked with .*per_turn_scores"):
+        run({"per_turn_scores": "sometimes"}).check_sections()
+    with pytest.raises(ValueError, match="group_size 3 does not divide train.batch_size 8"):
+        run({"group_size": 3}).check_sections()
+
+
 def test_a_verifiers_taskset_serves_per_turn_scored_groups_that_the_trainer_leases(
         vllm_server, verifiers_env_process):
     python, env = verifiers_env_process

@@ -192,6 +192,8 @@ def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_py
          "environment": {"PYTHONPATH": str(REPO / "examples")},
          "settings": {"group_size": 2}}])
     run.check_sections()
+    text = format_plan(make_plan(run, devices_present=0))
+    assert "problems: none found" in text and "(atroposlib env): group size 4" in text
     layout = build_layout(run)
     [server] = layout.backends
     port = server.port
@@ -238,3 +240,16 @@ def test_an_atropos_env_runs_its_own_cli_under_lachesis_env(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--env.rollout_server_url" in done.stdout and "--openai.base_url" in done.stdout
+
+
+def test_run_refuses_to_start_on_what_the_plan_flags(tmp_path):
+    bad = {**NODE, "name": "nogpu", "runs_dir": str(tmp_path / "runs"),
+           "vllm": {"replicas": 1, "devices": [99]}, "train": {"batch_size": 8},
+           "envs": [{"name": "arithmetic_tool", "settings": ENV}]}
+    path = tmp_path / "nogpu.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    done = subprocess.run([sys.executable, "-m", "lachesis.cli", "run", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "vllm: device(s) [99] asked for, but this machine has" in done.stderr
+    assert not (tmp_path / "runs" / "nogpu" / "logs").exists()  # nothing started

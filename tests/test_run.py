@@ -215,9 +215,6 @@ class LetterEEnv(TurnLevelRewardMixin, BaseEnv):
     def rollout_metrics(self, item, rollout, scores):
         return {"letter_e": 1.0}
 """
-# The OpenEnv server's guesses, kept to well-formed tool calls of the tiny model (as in
-# tests/test_adapters.py): the tokens are still sampled from the model.
-GUESS = r'<tool_call>\n\{"name": "step", "arguments": \{"guess": [1-3]\}\}\n</tool_call>'
 
 
 def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, tmp_path):
@@ -225,29 +222,34 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     servers of a native env, and an OpenEnv server (openenv-core's create_app, in its own
     venv) that the run starts from a command, with its env. After every sync, each
     replica's logprobs of tokens it samples equal the trainer's (``check_sync_every``;
-    one step moves them by far more than the tolerance). One replica is killed after step
+    training moves them by far more than the tolerance). One replica is killed after step
     1: the supervisor restarts it on the synced weights, the envs route around it, the
     trainer leaves it behind and loads the newest weights into it when it is back; later
     syncs check both replicas again, groups of both envs are trained, and the run
     finishes every step with no group lost.
 
-    The env servers are held (SIGSTOP) while the replica restarts, so that the run cannot
-    end before it is back."""
+    The trainer is held (SIGSTOP) from when it has noticed the dead replica until the
+    replica is back, so that the run cannot end before then."""
     from third_party import openenv_python
+    from transformers import AutoTokenizer
 
-    steps = 6
+    steps = 8
+    # A logit bias (vLLM's logprobs are from before it, unlike a grammar's) makes the
+    # random model open tool calls and end turns: multi-turn OpenEnv episodes.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    bias = {str(tokenizer.convert_tokens_to_ids(t)): 5 for t in ("<tool_call>", "<|im_end|>")}
     env_file = tmp_path / "letter_e.py"
     env_file.write_text(LETTER_E_ENV)
     config = write_config(
         tmp_path, tiny_model_dir, "node", warm_start=None, evaluate=False,
         vllm={"replicas": 2, "max_model_len": 4096, "kv_cache_gib": 1},
-        envs=[{"name": f"{env_file}:LetterEEnv", "count": 2, "settings": {
+        envs=[{"name": f"{env_file}:LetterEEnv", "count": 2, "weight": 2, "settings": {
             "group_size": 4, "max_turns": 1, "max_tokens_per_turn": 24,
             "max_queued_groups": 2}},
               {"name": "openenv:http://127.0.0.1:{port}", "weight": 0.5, "settings": {
                   "group_size": 4, "max_turns": 3, "max_token_length": 3000,
-                  "max_queued_groups": 1, "keep_equal_score_groups": True,
-                  "sampling_extra": {"structured_outputs": {"regex": GUESS}}},
+                  "max_queued_groups": 4, "keep_equal_score_groups": True,
+                  "max_tokens_per_turn": 60, "sampling_extra": {"logit_bias": bias}},
                "server": {"command": [str(openenv_python()), "-m", "uvicorn",
                                       "openenv_guess_server:app", "--port", "{port}",
                                       "--app-dir", str(REPO / "tests" / "adapter_envs")],
@@ -257,21 +259,24 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     run = start_run(config)
     run_dir = tmp_path / "runs" / "node"
     metrics_file = run_dir / "trainer" / "metrics.jsonl"
+    trainer_log = run_dir / "logs" / "trainer.log"
     try:
         wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
                  600, "the first step", run)
-        env_servers = [pid for pid in processes_of_run(run_id(run_dir))
-                       if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-        for pid in env_servers:
-            os.kill(pid, signal.SIGSTOP)
         command = (run_dir / "logs" / "vllm-1.log").read_text().splitlines()[0]
         port = command.split("--port ")[1].split()[0]
         os.killpg(os.getpgid(replica_pid(run_id(run_dir), port)), signal.SIGKILL)
+        wait_for(lambda: "when it answers again" in trainer_log.read_text(), 300,
+                 "the trainer to leave the dead replica behind", run)
+        trainer = [pid for pid in processes_of_run(run_id(run_dir))
+                   if b"train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        for pid in trainer:
+            os.kill(pid, signal.SIGSTOP)
         wait_for(lambda: (run_dir / "logs" / "vllm-1.log").read_text().count("\n$ ") == 1,
                  60, "the restart", run)
         wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 600,
                  "the restarted replica", run)
-        for pid in env_servers:
+        for pid in trainer:
             os.kill(pid, signal.SIGCONT)
         out, err = run.communicate(timeout=900)
     finally:
@@ -282,7 +287,9 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     metrics = [json.loads(line) for line in metrics_file.open()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["sync_check_mean_abs_diff"] < 1e-3 for m in metrics)
-    assert one_step_logprob_change(run_dir / "trainer" / "weights") > 1e-2
+    # what the check would see on a replica left on the starting weights
+    assert logprob_change(tiny_model_dir, max((run_dir / "trainer" / "weights").glob("v*"))) \
+        > 1e-2
     checked = [m["sync_checked_servers"] for m in metrics]
     assert checked[0] == 2 and 1 in checked and checked[-1] == 2, checked
     assert metrics[-1]["vllm_behind"] == 0
@@ -291,8 +298,8 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     assert summary["vllm_restarts"] == {"vllm-1": 1}
     second = (run_dir / "logs" / "vllm-1.log").read_text().split("\n$ ")[1].split("\n")[0]
     assert "/trainer/weights/v" in second  # restarted on synced weights
-    # groups of both envs were trained (their own metrics reached the trainer)
-    assert any("env/letter_e" in m for m in metrics) and any("env/done" in m for m in metrics)
+    # groups of both envs were trained: their own metrics reached the trainer
+    assert any("env/done" in m for m in metrics) and any("env/letter_e" in m for m in metrics)
     # no group lost: every group pushed was trained or is still queued, none set aside;
     # every env server contributed
     trained = sum(m["groups"] for m in metrics)
@@ -303,15 +310,14 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     assert "Traceback" not in (run_dir / "logs" / "api.log").read_text()
 
 
-def one_step_logprob_change(weights: Path) -> float:
-    """Mean |logprob| change of a random sequence between the last two synced versions:
-    what the post-sync check would see on a replica one version behind."""
+def logprob_change(before: Path, after: Path) -> float:
+    """Mean |logprob| change of a random sequence's tokens between two models."""
     import torch
     from transformers import AutoModelForCausalLM
 
     ids = torch.randint(0, 250, (1, 32), generator=torch.Generator().manual_seed(0))
     logprobs = []
-    for path in sorted(weights.glob("v*"))[-2:]:
+    for path in (before, after):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
             all_logprobs = torch.log_softmax(model(ids).logits[0, :-1], -1)
@@ -339,3 +345,33 @@ def replica_pid(run: str, port: str) -> int:
         if b"vllm.entrypoints.openai.api_server" in cmdline and port.encode() in cmdline:
             return pid
     raise AssertionError(f"no vLLM process on port {port}")
+
+
+def test_an_atropos_env_runs_under_lachesis_run(tiny_model_dir, tmp_path):
+    """An unchanged atroposlib env (tests/test_atropos.py's) as an `envs:` entry: the run
+    starts atropos-generate over its replica and the env's own serve loop once the
+    trainer has registered; the trainer trains on its groups."""
+    import sqlite3
+
+    from test_atropos import ATROPOS_ENV
+
+    env_file = tmp_path / "letter_e_atropos.py"
+    env_file.write_text(ATROPOS_ENV)
+    config = write_config(
+        tmp_path, tiny_model_dir, "atropos", warm_start=None, evaluate=False,
+        envs=[{"name": f"{env_file}:LetterEEnv", "settings": {"env": {"max_num_workers": 2}}}],
+        train={**SHORT_RUN["train"], "steps": 2})
+    run = start_run(config)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "runs" / "atropos"
+    assert processes_of_run(run_id(run_dir)) == []
+    assert {"atropos-generate", "env-letter_e_atropos.py_LetterEEnv"} <= \
+        {p.stem for p in (run_dir / "logs").glob("*.log")}
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["groups"] for m in metrics] == [2, 2]
+    with sqlite3.connect(run_dir / "api" / "queue.sqlite") as db:
+        envs = {json.loads(record)["desired_name"] for (record,) in
+                db.execute("SELECT record FROM envs")}
+        trained = db.execute("SELECT count(*) FROM groups WHERE state = 'done'").fetchone()[0]
+    assert envs == {"letter_e_atropos"} and trained == 4

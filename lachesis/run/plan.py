@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lachesis.run.config import RunConfig, batch_problems
+from lachesis.run.config import RunConfig, batch_problems, env_facts
 from lachesis.run.layout import Layout, build_layout, policy_model
 
 
@@ -39,8 +39,9 @@ class Plan:
 
 PlanCheck = Callable[[Plan], list[str]]
 PLAN_CHECKS: list[PlanCheck] = []
-"""More checks of a plan, each returning its problems (one line each). The check that
-each env's ``max_token_length`` fits the servers' ``max_model_len`` belongs here."""
+"""More checks of a plan, each returning its problems (one line each); ``--plan`` prints
+them and ``lachesis run`` refuses to start on them. The check that each env's
+``max_token_length`` fits the servers' ``max_model_len`` belongs here."""
 
 
 def device_count() -> int:
@@ -127,7 +128,6 @@ def make_plan(config: RunConfig, *, devices_present: int | None = None) -> Plan:
 
 
 def batch_lines(config: RunConfig) -> list[str]:
-    from lachesis.env_kinds import load_env_class
     from trainer.config import TrainConfig
 
     train = TrainConfig.model_validate({"model": config.model, **config.rl_train})
@@ -137,17 +137,18 @@ def batch_lines(config: RunConfig) -> list[str]:
     longest = 0
     for env in config.envs:
         try:
-            settings = load_env_class(env.name).config_class.model_validate(env.settings)
+            facts = env_facts(env)
         except (ValueError, LookupError, OSError):
             lines.append(f"  {env.name}: cannot be loaded (see problems)")
             continue
-        longest = max(longest, settings.max_token_length)
+        longest = max(longest, facts["max_token_length"])
         share = env.weight / total_weight
-        groups = train.batch_size / settings.group_size
+        groups = train.batch_size / facts["group_size"]
+        kind = " (atroposlib env)" if facts["kind"] == "atropos" else ""
         lines.append(
-            f"  {env.name}: group size {settings.group_size}, {share:.0%} of the mix "
+            f"  {env.name}{kind}: group size {facts['group_size']}, {share:.0%} of the mix "
             f"(weight {env.weight:g}, {env.count} server(s)); a batch of it alone holds "
-            f"{groups:g} groups; at most {settings.max_token_length} tokens per sequence")
+            f"{groups:g} groups; at most {facts['max_token_length']} tokens per sequence")
     if longest:
         lines.append(f"  tokens per step: at most {train.batch_size} x {longest} = "
                      f"{train.batch_size * longest:,}")

@@ -234,11 +234,12 @@ class Supervisor:
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         config, run_dir = self.config, self.run_dir
-        from lachesis.run.plan import device_count, device_problems
+        from lachesis.run.plan import make_plan
 
-        missing = device_problems(build_layout(config), device_count())
-        if missing:
-            raise RunFailed("; ".join(missing) + " (lachesis run CONFIG --plan shows the layout)")
+        problems = make_plan(config).problems  # what --plan flags stops the run here
+        if problems:
+            raise RunFailed("; ".join(problems) + " (lachesis run CONFIG --plan shows the "
+                            "whole layout)")
         run_dir.mkdir(parents=True, exist_ok=True)
         become_subreaper()
         (run_dir / "run_id").write_text(self.run_id + "\n")  # the LACHESIS_RUN_ID of its processes
