@@ -14,16 +14,19 @@ Turn-level rewards (one per assistant turn; the last is the outcome):
   (``write_file``) with code that compiles;
 * the last turn (outcome): 1.0 if the hidden tests pass, else 0.0.
 
-Grading never trusts the agent's sandbox: ``solution.py`` as the agent left it is copied
-into a fresh sandbox with a grader that holds the pristine hidden tests (the full
-HumanEvalPack ``test``, more than the visible examples). The grader reads a random nonce
-and deletes it before importing the solution, keeps ``exec``/``compile`` bound before the
-import, and prints the nonce only after the hidden tests ran without error; a pass needs
-exit code 0 and that exact last line. So rewriting the visible tests, printing "ALL TESTS
-PASSED", exiting 0 at import or replacing builtins earns nothing. (Solution code runs in
-the grader's process, so code written to introspect the grader's frames could still read
-the nonce; grading in a separate process against expected outputs kept outside the
-sandbox would close that, but needs tests written as input/output pairs.)
+Grading never trusts the agent's sandbox, and never shares an address space with the
+solution (:mod:`environments.framework.call_bridge`): ``solution.py`` as the agent left it
+is copied into a fresh sandbox where a small host imports it and serves calls to the
+entry point; the hidden tests (the full HumanEvalPack ``test``, more than the visible
+examples) run in a second fresh sandbox, against the pristine ``prompt`` (its helpers) with
+the entry point replaced by a proxy that sends its arguments as plain data (JSON) and
+decodes the reply into builtin types. The grader compares the values itself and prints
+``PASS`` on its own stdout; a pass needs exit code 0 and that last line. No secret exists
+for the solution to find: it cannot see the grader's process, memory, files or output, so
+printing a pass line, exiting early, patching builtins or reading frames earns nothing
+(tested: ``tests/test_graders_adversarial.py``). What the hidden tests pass to the entry
+point, and what it returns, must be plain data (numbers, strings, lists, tuples, dicts,
+sets, bytes): a test that passes a function or checks an argument's mutation fails.
 
 Data: ``dataset: bigcode/humanevalpack`` (the default; its ``python`` config, loaded with
 ``datasets.load_dataset``) or ``dataset: sample``, 8 buggy functions with tests written
@@ -34,13 +37,13 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
+from environments.framework.call_bridge import GRADER_CLIENT, SOLUTION_HOST, CallBridge
 from environments.framework.item_order import EpochOrder
 from environments.framework.sandbox_tools import (
     SandboxEnvConfig,
@@ -61,27 +64,22 @@ SYSTEM_PROMPT = (
     "write the fixed solution.py. When the tests pass, reply with a one-line summary of the "
     "fix and no tool call."
 )
-PASS_MARK = "LACHESIS-GRADER-PASSED"
-GRADER = '''\
-import os
-import sys
+PASS_LINE = "PASS"
+GRADER = GRADER_CLIENT + '''
+
+def main():
+    with open("spec.json") as f:
+        spec = json.load(f)
+    proxy = connect(sys.argv[1])
+    namespace = {"__name__": "__hidden_tests__"}
+    exec(compile(spec["prompt"], "prompt.py", "exec"), namespace)
+    namespace[spec["entry_point"]] = proxy(spec["entry_point"])
+    exec(compile(spec["test"], "hidden_tests.py", "exec"), namespace)
+    print(%r)
 
 
-def main(run=exec, build=compile, write=os.write):
-    with open("nonce") as f:
-        nonce = f.read().strip()
-    os.remove("nonce")
-    import solution
-    namespace = dict(vars(solution))
-    run(build(HIDDEN_TESTS, "hidden_tests.py", "exec"), namespace)
-    write(1, ("\\n%s %s\\n" % (MARK, nonce)).encode())
-
-
-HIDDEN_TESTS = {tests!r}
-MARK = {mark!r}
 main()
-sys.stdout.flush()
-'''
+''' % PASS_LINE
 _INSPECT = re.compile(r"\b(cat|head|tail|less|more|nl|grep|sed\s+-n)\b")
 _RUN_TESTS = re.compile(r"test_solution\.py|pytest|unittest")
 
@@ -239,24 +237,34 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
 
     # -- rewards -----------------------------------------------------------------------------
     async def grade(self, item: dict[str, Any], solution: str | None) -> bool:
-        """Run the hidden tests against ``solution`` in a fresh sandbox."""
+        """Run the hidden tests in a fresh sandbox against ``solution``, served from
+        another fresh sandbox (see the module docstring)."""
         if solution is None:
             return False
-        nonce = secrets.token_hex(16)
-        grader = GRADER.format(tests=item["test"], mark=PASS_MARK)
-        async with await self.new_sandbox() as box:
-            try:
-                await box.write_file(SOLUTION, solution)
-                await box.write_file("grader.py", grader)
-                await box.write_file("nonce", nonce)
-                result = await box.exec(["python3", "grader.py"],
-                                        timeout_s=self.config.grading_timeout_s)
-            except SandboxError:
-                self.sandbox_stats.sandbox_failures += 1
-                raise
+        backend = self.config.sandbox_backend
+        spec = {key: item[key] for key in ("prompt", "test", "entry_point")}
+        async with CallBridge() as bridge:
+            grader_box = await self.new_sandbox(ro_mounts=bridge.mounts("grader", backend))
+            async with grader_box, await self.new_sandbox(
+                    ro_mounts=bridge.mounts("solution", backend)) as solution_box:
+                try:
+                    await solution_box.write_file(SOLUTION, solution)
+                    await solution_box.write_file("host.py", SOLUTION_HOST)
+                    await grader_box.write_file("grader.py", GRADER)
+                    await grader_box.write_file("spec.json", json.dumps(spec))
+                    run = await bridge.run(
+                        grader_box, ["python3", "-I", "grader.py", bridge.path("grader", backend)],
+                        solution_box, ["python3", "-I", "host.py",
+                                       bridge.path("solution", backend), "solution",
+                                       item["entry_point"]],
+                        timeout_s=self.config.grading_timeout_s)
+                except SandboxError:
+                    self.sandbox_stats.sandbox_failures += 1
+                    raise
+        result = run.grader
         self.sandbox_stats.grading_timeouts += result.timed_out
         lines = result.stdout.strip().splitlines()
-        return result.exit_code == 0 and bool(lines) and lines[-1] == f"{PASS_MARK} {nonce}"
+        return result.exit_code == 0 and bool(lines) and lines[-1] == PASS_LINE
 
     def turn_score(self, turn) -> float:
         c = self.config
