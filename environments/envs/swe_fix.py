@@ -97,7 +97,7 @@ from typing import Any
 from pydantic import Field
 
 from environments.blackbox.env import BlackBoxEnvConfig, BlackBoxEnvMixin
-from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_GRADER
+from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_CHILD, UNITTEST_GRADER
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
 from environments.framework.item_order import EpochOrder
 from environments.rollout import Rollout
@@ -502,6 +502,10 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
             grader, python = PYTEST_GRADER, f"{c.testbed_bin}/python"
         else:
             grader, python = UNITTEST_GRADER, "python3"
+            spec["protect"] = sorted(p for p in item["files"] if is_test_path(p)) \
+                if item.get("files") is not None else item["test_files"]
+            spec["timeout_s"] = max(1.0, c.grading_timeout_s - 2)
+            await box.write_file(f"{GRADING_DIR}/child.py", UNITTEST_CHILD)
         nonce = secrets.token_hex(16)
         await box.write_file(f"{GRADING_DIR}/grader.py", grader)
         await box.write_file(f"{GRADING_DIR}/spec.json", json.dumps(spec))
