@@ -253,8 +253,8 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
                     await grader_box.write_file("grader.py", GRADER)
                     await grader_box.write_file("spec.json", json.dumps(spec))
                     run = await bridge.run(
-                        grader_box, ["python3", "-I", "grader.py", bridge.path("grader", backend)],
-                        solution_box, ["python3", "-I", "host.py",
+                        grader_box, ["python3", "-I", "-S", "grader.py", bridge.path("grader", backend)],
+                        solution_box, ["python3", "-I", "-S", "host.py",
                                        bridge.path("solution", backend), "solution",
                                        item["entry_point"]],
                         timeout_s=self.config.grading_timeout_s)

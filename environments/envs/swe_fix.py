@@ -97,7 +97,7 @@ from typing import Any
 from pydantic import Field
 
 from environments.blackbox.env import BlackBoxEnvConfig, BlackBoxEnvMixin
-from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_CHILD, UNITTEST_GRADER
+from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_GRADER
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
 from environments.framework.item_order import EpochOrder
 from environments.rollout import Rollout
@@ -324,6 +324,9 @@ class SweFixConfig(BlackBoxEnvConfig):
     grading_timeout_s: float = Field(default=120.0, gt=0)
     """Wall-clock limit of the test run in the grading sandbox (and its CPU seconds)."""
     grading_memory_mb: int = Field(default=2048, ge=64)
+    grading_child_per_test: bool = False
+    """unittest grading: one child process per test instead of one per test module
+    (tests then cannot affect each other; ~20 ms more per test)."""
 
     def sandbox_config(self) -> SandboxConfig:
         config = super().sandbox_config()
@@ -505,7 +508,7 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
             spec["protect"] = sorted(p for p in item["files"] if is_test_path(p)) \
                 if item.get("files") is not None else item["test_files"]
             spec["timeout_s"] = max(1.0, c.grading_timeout_s - 2)
-            await box.write_file(f"{GRADING_DIR}/child.py", UNITTEST_CHILD)
+            spec["per_test"] = c.grading_child_per_test
         nonce = secrets.token_hex(16)
         await box.write_file(f"{GRADING_DIR}/grader.py", grader)
         await box.write_file(f"{GRADING_DIR}/spec.json", json.dumps(spec))

@@ -77,7 +77,7 @@ def emit(out, nonce, status, test_id, write=os.write):
     write(out, ("%s\t%s\t%s\n" % (nonce, status, test_id)).encode("utf-8", "replace"))
 '''
 
-UNITTEST_CHILD = _COMMON + r'''
+UNITTEST_GRADER = _COMMON + r'''
 import unittest
 import unittest.case
 import unittest.loader
@@ -164,28 +164,11 @@ def run_one(test_id, isinstance=isinstance, list=list, len=len, type=type):
     return outcomes[-1][0] if outcomes else "error"
 
 
-def child(token_fd, report_fd, test_id, read=os.read, close=os.close, write=os.write,
-          exit=os._exit, Exception=BaseException):
-    token = read(token_fd, 64).decode()
-    close(token_fd)
-    try:
-        status = run_one(test_id)
-    except Exception:
-        status = "error"
-    write(report_fd, ("%s\t%s\t%s\n" % (token, status, test_id)).encode("utf-8", "replace"))
-    exit(0)  # no atexit hook, no thread of the repository's, runs after the report
-
-
-child(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
-'''
-
-UNITTEST_GRADER = _COMMON + r'''
 import ctypes
 import hashlib
 import secrets
 import select
 import signal
-import tempfile
 import time
 
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
@@ -213,6 +196,14 @@ def fingerprint(paths):
         except OSError:
             digest.update(path.encode() + b"\0missing\0")
     return digest.hexdigest()
+
+
+def remove_bytecode():
+    """No bytecode that a test's child could have planted for the next one."""
+    import shutil
+    for root, dirs, _ in os.walk(ROOT):
+        if "__pycache__" in dirs:
+            shutil.rmtree(os.path.join(root, "__pycache__"), ignore_errors=True)
 
 
 def kill_descendants():
@@ -243,49 +234,62 @@ def kill_descendants():
                 break
         if not found:
             return
-        time.sleep(0.01)
+        time.sleep(0.005)
 
 
-def run_child(test_id, deadline, log):
-    """Run one test in a child process; its status, from the child's report line (with
-    the per-test token) and its exit status."""
-    token = secrets.token_hex(16)
-    cache = tempfile.mkdtemp()  # no bytecode a previous test's child could have planted
+def child(nonce, token_fd, report_fd, test_ids, log):
+    """In the forked child, before any code of the repository runs: forget the nonce
+    (its only copy is the bytearray), keep only the token pipe, the report pipe and the
+    log, then run the tests and report each with the token."""
+    nonce[:] = bytes(len(nonce))
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    low, high = sorted((token_fd, report_fd))
+    os.closerange(3, low)
+    os.closerange(low + 1, high)
+    os.closerange(high + 1, 1 << 16)
+    token = os.read(token_fd, 64).decode()
+    os.close(token_fd)
+    for test_id in test_ids:
+        try:
+            status = run_one(test_id)
+        except BaseException:
+            status = "error"
+        os.write(report_fd, ("%s\t%s\t%s\n" % (token, status, test_id)).encode("utf-8",
+                                                                              "replace"))
+    os._exit(0)  # no atexit hook, no thread of the repository's, runs after the report
+
+
+def run_child(nonce, test_ids, deadline, log):
+    """Run tests in a forked child; their statuses, from the child's report lines (with a
+    token made after the fork, one line per test, in order) and its exit status."""
     token_r, token_w = os.pipe()
     report_r, report_w = os.pipe()
-    os.write(token_w, token.encode())
-    os.close(token_w)
     try:
         pid = os.fork()
     except OSError:
-        os.close(token_r), os.close(report_r), os.close(report_w)
-        return "error"
+        for fd in (token_r, token_w, report_r, report_w):
+            os.close(fd)
+        return ["error"] * len(test_ids)
     if pid == 0:
         try:
-            os.setsid()
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            for fd in range(3, 1024):
-                if fd not in (token_r, report_w):
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-            os.set_inheritable(token_r, True)
-            os.set_inheritable(report_w, True)
-            os.execv(sys.executable, [sys.executable, "-I", "-B", "-X",
-                                      "pycache_prefix=" + cache, os.path.join(HERE, "child.py"),
-                                      str(token_r), str(report_w), test_id])
+            os.close(token_w)
+            os.close(report_r)
+            child(nonce, token_r, report_w, test_ids, log)
         finally:
             os._exit(127)
     os.close(token_r)
     os.close(report_w)
+    token = secrets.token_hex(16)
+    os.write(token_w, token.encode())
+    os.close(token_w)
     data = b""
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or len(data) > 1 << 16:
+        if left <= 0 or len(data) > 1 << 20:
             break
         ready, _, _ = select.select([report_r], [], [], left)
         if not ready:
@@ -305,35 +309,56 @@ def run_child(test_id, deadline, log):
             os.waitpid(pid, 0)
             status = "timeout"
             break
-        time.sleep(0.001)
+        time.sleep(0.0005)
     kill_descendants()
-    if status is not None:
-        return status
-    lines = data.decode("utf-8", "replace").splitlines()
-    if code != 0 or len(lines) != 1:
-        return "error"
-    parts = lines[0].split("\t", 2)
-    if len(parts) != 3 or parts[0] != token or parts[2] != test_id:
-        return "error"
-    return parts[1]
+    statuses = []
+    for i, line in enumerate(data.decode("utf-8", "replace").splitlines()[:len(test_ids)]):
+        parts = line.split("\t", 2)
+        if len(parts) != 3 or parts[0] != token or parts[2] != test_ids[i]:
+            break
+        statuses.append(parts[1])
+    if code != 0 and status is None:
+        statuses = []  # an honest child always exits 0
+    return statuses + [status or "error"] * (len(test_ids) - len(statuses))
 
 
 def main():
-    nonce, spec, out = read_setup()
+    nonce = bytearray(32)  # the nonce's only copy: read straight into it, zeroed in children
+    fd = os.open(os.path.join(HERE, "nonce"), os.O_RDONLY)
+    os.readv(fd, [nonce])
+    os.close(fd)
+    os.remove(os.path.join(HERE, "nonce"))
+    import json
+    with open(os.path.join(HERE, "spec.json")) as f:
+        spec = json.load(f)
+    out = os.open(os.path.join(HERE, "results"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     protect()
     deadline = time.monotonic() + float(spec.get("timeout_s", 60))
     protected = spec.get("protect", [])
     pristine = fingerprint(protected)
     log = os.open(os.path.join(HERE, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     clean = pristine is not None
+
+    def emit_line(status, test_id):
+        os.writev(out, [nonce, ("\t%s\t%s\n" % (status, test_id)).encode("utf-8", "replace")])
+
+    groups = {}  # one child per test (per_test) or per test module
     for test_id in spec["tests"]:
+        key = test_id if spec.get("per_test") else test_id.rsplit(".", 2)[0]
+        groups.setdefault(key, []).append(test_id)
+    for test_ids in groups.values():
+        if clean:
+            remove_bytecode()
         if clean and fingerprint(protected) != pristine:
             clean = False  # a test's child rewrote, moved or deleted a test file
-        status = run_child(test_id, deadline, log) if clean else "tampered"
+        statuses = run_child(nonce, test_ids, deadline, log) if clean else []
         if clean and fingerprint(protected) != pristine:
-            clean, status = False, "tampered"
-        emit(out, nonce, status, test_id)
-    emit(out, nonce, "DONE", "clean" if clean else "tampered")
+            clean = False
+        if not clean:
+            statuses = ["tampered"] * len(test_ids)
+        for test_id, status in zip(test_ids, statuses):
+            emit_line(status, test_id)
+    emit_line("DONE", "clean" if clean else "tampered")
 
 
 main()

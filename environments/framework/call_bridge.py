@@ -37,6 +37,13 @@ MOUNT = "/run/lachesis-bridge"
 CODEC = r'''
 import json
 import math
+import os
+import site
+import sys
+
+# Run with ``python3 -I -S``: the installed packages are importable, but their ``.pth``
+# files are not run at start-up (that alone costs ~20 ms in a Debian Python).
+sys.path.extend(p for p in site.getsitepackages() if os.path.isdir(p))
 
 _SCALARS = (str, int, float, bool, type(None))
 
