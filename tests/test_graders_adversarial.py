@@ -433,8 +433,9 @@ frame = sys._getframe()
 while frame is not None:
     if "token" in frame.f_locals and "report_fd" in frame.f_locals:
         scope = frame.f_locals
-        os.write(scope["report_fd"], ("%s\tpassed\t%s\n" % (
-            scope["token"], scope["test_id"])).encode())
+        for test_id in scope["test_ids"]:
+            os.write(scope["report_fd"], ("%s\tpassed\t%s\n" % (
+                scope["token"], test_id)).encode())
         os._exit(0)
     frame = frame.f_back
 '''

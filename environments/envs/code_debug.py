@@ -68,9 +68,9 @@ PASS_LINE = "PASS"
 GRADER = GRADER_CLIENT + '''
 
 def main():
+    proxy, loads = connect(sys.argv[1])
     with open("spec.json") as f:
-        spec = json.load(f)
-    proxy = connect(sys.argv[1])
+        spec = loads(f.read())
     namespace = {"__name__": "__hidden_tests__"}
     exec(compile(spec["prompt"], "prompt.py", "exec"), namespace)
     namespace[spec["entry_point"]] = proxy(spec["entry_point"])

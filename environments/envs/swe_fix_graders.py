@@ -5,12 +5,13 @@ Both read a random nonce (and delete its file) and open their results file befor
 code of the repository is imported, then write one line per test,
 ``NONCE<TAB>STATUS<TAB>TEST_ID``, and a last line ``NONCE<TAB>DONE<TAB>clean`` (or
 ``tampered``). ``-I`` keeps the repository (and ``$HOME``'s user site) off ``sys.path``
-at start-up, so nothing of it (a ``sitecustomize.py``, a ``.pth``) runs before the grader;
-the grader then puts the repository first on ``sys.path`` itself. Before and after the
-tests it checks that the test machinery was not patched (every attribute the watched
-classes and modules had when the grader started is still the very same object), with
-helpers bound before the repository's code could replace them. Limits: see the module
-docstring of :mod:`environments.envs.swe_fix`.
+at start-up, so nothing of it (a ``sitecustomize.py``, a ``.pth``) runs before the grader.
+The unittest grader never imports the repository: it forks a child per test module (or
+per test), which imports it and reports back through a pipe; the pytest grader runs pytest
+in its own process. Where the repository's code runs, the test machinery is checked before
+and after the tests (every attribute the watched classes and modules had at the start is
+still the very same object), with helpers bound before that code could replace them.
+Limits: see the module docstring of :mod:`environments.envs.swe_fix`.
 """
 
 from __future__ import annotations
