@@ -22,7 +22,31 @@ from environments.envs.swe_fix import SweFixConfig, SweFixEnv, make_tar
 
 GRADING_TIMEOUT_S = 6.0
 
-# -- code_debug: the solution is served from its own sandbox ------------------------------
+# Repository or solution code that reads the memory of its parent (the grader) through
+# /proc: the writable mappings listed in /proc/PPID/maps, from /proc/PPID/mem, retried for
+# a second (the grader may not hold its secrets yet); appends what it read to _MEMORY.
+READ_PARENT_MEMORY = r'''
+import os as _os, time as _time
+_MEMORY = []
+for _ in range(20):
+    try:
+        with open("/proc/%d/maps" % _os.getppid()) as _maps, \
+                open("/proc/%d/mem" % _os.getppid(), "rb") as _mem:
+            for _line in _maps.read().splitlines():
+                _range, _perms = _line.split()[:2]
+                _lo, _hi = (int(_x, 16) for _x in _range.split("-"))
+                if _perms.startswith("rw") and _hi - _lo < 1 << 26:
+                    try:
+                        _mem.seek(_lo)
+                        _MEMORY.append(_mem.read(_hi - _lo).decode("latin-1"))
+                    except (OSError, ValueError, OverflowError):
+                        pass
+    except OSError:
+        pass
+    _time.sleep(0.05)
+'''
+
+# -- code_debug: the solution is served from its own process ------------------------------
 TASK = next(t for t in code_tasks() if t["entry_point"] == "fizz_count")
 BUGGY = TASK["prompt"] + TASK["buggy_solution"]
 FIXED = TASK["prompt"] + TASK["canonical_solution"]
@@ -82,6 +106,10 @@ for pid in os.listdir("/proc"):
                 _learn(open("/proc/%s/%s" % (pid, name), "rb").read(1 << 20))
             except OSError:
                 pass
+''' + ANSWER_FROM_STOLEN,
+    "reads the grader's memory through /proc/PPID/mem": STEAL + READ_PARENT_MEMORY + r'''
+for _text in _MEMORY:
+    _learn(_text)
 ''' + ANSWER_FROM_STOLEN,
     "reads the grader's files": STEAL + r'''
 import os
@@ -355,7 +383,10 @@ SWE_FIX_CHEATS = {
     "walks frames and the garbage collector for the nonce, forges results": {
         INIT: forge_results(FRAME_WALK)},
     "reads the grader's /proc (memory, environment, fds) for the nonce, forges results": {
-        INIT: forge_results(PROC_READ)},
+        INIT: forge_results(PROC_READ + READ_PARENT_MEMORY + r'''
+for _text in _MEMORY:
+    _found.update(re.findall(r"[0-9a-f]{32}", _text))
+''')},
     "prints a forged OK, then os._exit(0)": {
         INIT: "import os\nprint('Ran 13 tests in 0.01s\\n\\nOK', flush=True)\nos._exit(0)\n"},
     "patches sys.exit and os._exit, then prints a forged line": {
@@ -452,3 +483,16 @@ def test_every_cheat_is_named_in_the_docs():
     assert len(names) >= 25
     missing = [n for n in names if not re.search(re.escape(n), table)]
     assert not missing, missing
+
+
+def test_swe_fix_one_child_per_test_grades_the_same():
+    env = SweFixEnv(SweFixConfig(dataset="sample", grading_child_per_test=True))
+
+    async def both():
+        return await asyncio.gather(env.grade(SEMVER, make_tar(SEMVER["files"])),
+                                    env.grade(SEMVER, make_tar(SEMVER["fixed_files"])))
+
+    pristine, fixed = asyncio.run(both())
+    assert pristine.clean and not pristine.resolved
+    assert {t for t, s in pristine.statuses.items() if s != "passed"} == set(SEMVER["fail_to_pass"])
+    assert fixed.resolved and fixed.clean

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
-from environments.framework.call_bridge import GRADER_CLIENT, SOLUTION_HOST, CallBridge
+from environments.framework.call_bridge import GRADER_PRELUDE
 from environments.framework.item_order import EpochOrder
 from environments.framework.sandbox_tools import (
     SandboxEnvConfig,
@@ -64,22 +65,24 @@ SYSTEM_PROMPT = (
     "write the fixed solution.py. When the tests pass, reply with a one-line summary of the "
     "fix and no tool call."
 )
-PASS_LINE = "PASS"
-GRADER = GRADER_CLIENT + '''
+PASS_MARK = "PASS"
+GRADER = GRADER_PRELUDE + r'''
 
 def main():
-    proxy, loads = connect(sys.argv[1])
-    with open("spec.json") as f:
-        spec = loads(f.read())
+    secrets = read_secrets("spec.json")
+    pid, proxy = start_solution(secrets, "solution", sys.argv[1:2])
+    spec = loads(bytes(secrets).decode())
     namespace = {"__name__": "__hidden_tests__"}
     exec(compile(spec["prompt"], "prompt.py", "exec"), namespace)
     namespace[spec["entry_point"]] = proxy(spec["entry_point"])
     exec(compile(spec["test"], "hidden_tests.py", "exec"), namespace)
-    print(%r)
+    os.kill(pid, 9)
+    os.write(1, ("\n%s %s\n" % (PASS_MARK, spec["nonce"])).encode())
 
 
+PASS_MARK = "PASS"
 main()
-''' % PASS_LINE
+'''
 _INSPECT = re.compile(r"\b(cat|head|tail|less|more|nl|grep|sed\s+-n)\b")
 _RUN_TESTS = re.compile(r"test_solution\.py|pytest|unittest")
 
@@ -237,34 +240,25 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
 
     # -- rewards -----------------------------------------------------------------------------
     async def grade(self, item: dict[str, Any], solution: str | None) -> bool:
-        """Run the hidden tests in a fresh sandbox against ``solution``, served from
-        another fresh sandbox (see the module docstring)."""
+        """Run the hidden tests in a fresh sandbox against ``solution``, served from a
+        process of its own (see the module docstring)."""
         if solution is None:
             return False
-        backend = self.config.sandbox_backend
-        spec = {key: item[key] for key in ("prompt", "test", "entry_point")}
-        async with CallBridge() as bridge:
-            grader_box = await self.new_sandbox(ro_mounts=bridge.mounts("grader", backend))
-            async with grader_box, await self.new_sandbox(
-                    ro_mounts=bridge.mounts("solution", backend)) as solution_box:
-                try:
-                    await solution_box.write_file(SOLUTION, solution)
-                    await solution_box.write_file("host.py", SOLUTION_HOST)
-                    await grader_box.write_file("grader.py", GRADER)
-                    await grader_box.write_file("spec.json", json.dumps(spec))
-                    run = await bridge.run(
-                        grader_box, ["python3", "-I", "-S", "grader.py", bridge.path("grader", backend)],
-                        solution_box, ["python3", "-I", "-S", "host.py",
-                                       bridge.path("solution", backend), "solution",
-                                       item["entry_point"]],
-                        timeout_s=self.config.grading_timeout_s)
-                except SandboxError:
-                    self.sandbox_stats.sandbox_failures += 1
-                    raise
-        result = run.grader
+        nonce = secrets.token_hex(16)
+        spec = {**{key: item[key] for key in ("prompt", "test", "entry_point")}, "nonce": nonce}
+        async with await self.new_sandbox() as box:
+            try:
+                await box.write_file(SOLUTION, solution)
+                await box.write_file("grader.py", GRADER)
+                await box.write_file("spec.json", json.dumps(spec))
+                result = await box.exec(["python3", "-I", "-S", "grader.py", item["entry_point"]],
+                                        timeout_s=self.config.grading_timeout_s)
+            except SandboxError:
+                self.sandbox_stats.sandbox_failures += 1
+                raise
         self.sandbox_stats.grading_timeouts += result.timed_out
         lines = result.stdout.strip().splitlines()
-        return result.exit_code == 0 and bool(lines) and lines[-1] == PASS_LINE
+        return result.exit_code == 0 and bool(lines) and lines[-1] == f"{PASS_MARK} {nonce}"
 
     def turn_score(self, turn) -> float:
         c = self.config

@@ -1,45 +1,38 @@
-"""Call a solution's functions from a grader that runs in another sandbox, with plain data.
+"""Call a solution's functions from a grader that never shares its address space, with
+plain data.
 
 A grader that imports the code it grades shares its address space: the code can read the
 grader's frames, its memory, its secrets, and print whatever the grader would print. Here
-the two never meet. The grader runs in one sandbox, the solution in another (each exec its
-own pid namespace, so neither can see the other's processes, /proc or file descriptors),
-and this process relays bytes between them over two Unix sockets, one private directory
-per side, each mounted read-only into its own sandbox only::
+:data:`GRADER_PRELUDE` is the start of a grader script (run as ``python3 -I -S`` in a
+fresh sandbox, the solution's module beside it) that keeps the two apart:
 
-    grader sandbox --(grader.sock)--> this process --(solution.sock)--> solution sandbox
+1. it reads its secrets (``spec.json``: the hidden tests, the expected values, a nonce)
+   into a single bytearray, straight from the file (no other copy), and deletes the file;
+2. it makes itself undumpable (``prctl(PR_SET_DUMPABLE, 0)``): no other process of the
+   sandbox, though it runs as the same uid, can read its memory, file descriptors or
+   environment through ``/proc``, or ptrace it;
+3. it forks. The child zeroes its copy of the bytearray, points stdin/stdout/stderr at
+   ``/dev/null``, closes every descriptor but its end of a socket pair, and only then
+   imports the solution and serves calls on the socket: a request
+   ``{"call": name, "args": [...], "kwargs": {...}}`` per line, a reply ``{"value": ...}``
+   or ``{"error": "..."}`` per line;
+4. the parent decodes its secrets and calls the solution through proxies. Values cross as
+   JSON with tags for what JSON lacks (tuples, sets, bytes, non-string dict keys,
+   infinities, complex numbers) and decode to builtin types only, so a solution cannot
+   hand the grader an object with its own ``__eq__``. The grader compares the values
+   itself and prints its verdict with the nonce on its own stdout.
 
-The grader sends ``{"call": name, "args": [...], "kwargs": {...}}`` lines and reads
-``{"value": ...}`` or ``{"error": "..."}`` lines back; values cross as JSON with tags for
-what JSON lacks (:data:`CODEC`: tuples, sets, bytes, non-string dict keys), and decode to
-builtin types only, so a solution cannot hand the grader an object with its own ``__eq__``.
-The grader compares the returned values itself and prints its verdict on its own stdout,
-which nothing of the solution can reach. If the solution process ends (or never starts
-serving), the relay closes the grader's connection: every pending and later call fails.
+If the solution exits, hangs or garbles the channel, the grader's calls fail (or the
+sandbox's timeout ends it): no verdict. Both sides import only C modules for the channel
+(``_json``, ``_socket``): ``json`` and ``socket`` would double the start-up time.
 """
 
 from __future__ import annotations
-
-import asyncio
-import contextlib
-import os
-import secrets
-import shutil
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
-
-from environments.sandbox import ExecResult, Sandbox
-
-MOUNT = "/run/lachesis-bridge"
-"""Where each sandbox sees its side's socket directory."""
 
 CODEC = r'''
 import math
 import sys
 
-# Both sides run as ``python3 -I -S`` and import only C modules here: ``json`` (with
-# ``re``) and ``socket`` (with ``enum``, ``selectors``) would double the start-up time.
 try:
     import _json
 
@@ -127,12 +120,42 @@ def decode(value, depth=0):
     raise ValueError("malformed value")
 '''
 
-SOLUTION_HOST = CODEC + r'''
+GRADER_PRELUDE = CODEC + r'''
 import _socket
 import os
 
 
-def serve(path, module_name, names):
+class SolutionError(Exception):
+    """The solution's function raised, or the solution process is gone."""
+
+
+def read_secrets(path):
+    """The file's bytes in a bytearray (their only copy in this process); the file is
+    removed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    size = os.fstat(fd).st_size
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            break
+        got += n
+    view.release()
+    os.close(fd)
+    os.remove(path)
+    return data
+
+
+def undumpable():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0):  # PR_SET_DUMPABLE
+        raise SystemExit("prctl(PR_SET_DUMPABLE) failed: errno %d" % ctypes.get_errno())
+
+
+def serve(sock, module_name, names):
+    """The solution's side (the forked child): import it, answer calls until EOF."""
     sys.path.insert(0, os.getcwd())
     try:
         module = __import__(module_name)
@@ -141,8 +164,6 @@ def serve(path, module_name, names):
         sys.path.extend(p for p in site.getsitepackages() if os.path.isdir(p))
         module = __import__(module_name)
     functions = {name: getattr(module, name, None) for name in names}
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    sock.connect(path)
     for line in open(sock.fileno(), "rb", closefd=False):
         try:
             request = loads(line.decode())
@@ -156,26 +177,30 @@ def serve(path, module_name, names):
         sock.sendall(dumps(reply).encode() + b"\n")
 
 
-serve(sys.argv[1], sys.argv[2], sys.argv[3:])
-'''
+def start_solution(secrets, module_name, names):
+    """Fork the solution's process; returns (its pid, a function that makes proxies)."""
+    undumpable()
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            secrets[:] = bytes(len(secrets))
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            keep = theirs.fileno()
+            os.closerange(3, keep)
+            os.closerange(keep + 1, 1 << 16)
+            serve(theirs, module_name, names)
+        finally:
+            os._exit(0)
+    theirs.close()
+    stream = open(ours.fileno(), "rb", closefd=False)
 
-GRADER_CLIENT = CODEC + r'''
-import _socket
-
-
-class SolutionError(Exception):
-    """The solution's function raised, or the solution process is gone."""
-
-
-def connect(path, max_line=64 << 20):
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    sock.connect(path)
-    stream = open(sock.fileno(), "rb", closefd=False)
-
-    def proxy(name):
+    def proxy(name, max_line=64 << 20):
         def call(*args, **kwargs):
             request = {"call": name, "args": encode(list(args)), "kwargs": encode(kwargs)}
-            sock.sendall(dumps(request).encode() + b"\n")
+            ours.sendall(dumps(request).encode() + b"\n")
             line = stream.readline(max_line)
             if not line.endswith(b"\n"):
                 raise SolutionError("the solution process is gone")
@@ -188,110 +213,5 @@ def connect(path, max_line=64 << 20):
         call.__name__ = name
         return call
 
-    return proxy, loads
+    return pid, proxy
 '''
-
-
-@dataclass
-class BridgeRun:
-    grader: ExecResult
-    solution: ExecResult | None
-    """None when the solution was still running when the grader finished (then killed)."""
-
-
-class CallBridge:
-    """Two private socket directories (0o711, random socket names) and the relay between
-    them; ``async with CallBridge() as bridge``."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="lachesis-bridge-"))
-        self.root.chmod(0o711)
-        self.sides = {}
-        for side in ("grader", "solution"):
-            directory = self.root / side
-            directory.mkdir(mode=0o711)
-            self.sides[side] = (directory, f"{secrets.token_hex(8)}.sock")
-        self._accepted: dict[str, asyncio.Future] = {}
-        self._servers: list[asyncio.AbstractServer] = []
-        self._writers: list[asyncio.StreamWriter] = []
-
-    def mounts(self, side: str, backend: str) -> dict[str, str]:
-        """``ro_mounts`` for the sandbox of ``side`` (none for unsafe_subprocess, which
-        sees host paths as they are)."""
-        return {} if backend == "unsafe_subprocess" else {str(self.sides[side][0]): MOUNT}
-
-    def path(self, side: str, backend: str) -> str:
-        """The socket's path as the sandbox of ``side`` sees it."""
-        directory, name = self.sides[side]
-        return str(directory / name) if backend == "unsafe_subprocess" else f"{MOUNT}/{name}"
-
-    async def __aenter__(self) -> CallBridge:
-        loop = asyncio.get_running_loop()
-        for side, (directory, name) in self.sides.items():
-            accepted = self._accepted[side] = loop.create_future()
-
-            def on_connect(reader, writer, accepted=accepted):
-                self._writers.append(writer)
-                if accepted.done():  # one peer per side: anyone else is turned away
-                    writer.close()
-                else:
-                    accepted.set_result((reader, writer))
-
-            server = await asyncio.start_unix_server(on_connect, path=str(directory / name))
-            self._servers.append(server)
-            os.chmod(directory / name, 0o777)  # sandbox uids differ from ours
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for server in self._servers:
-            server.close()
-        for writer in self._writers:
-            writer.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    async def relay(self, solution_exec: asyncio.Future) -> None:
-        """Pipe bytes between the grader and the solution until either side closes; if
-        the solution's exec ends before it connects, close the grader's connection."""
-        grader_reader, grader_writer = await self._accepted["grader"]
-        solution = asyncio.ensure_future(asyncio.shield(self._accepted["solution"]))
-        await asyncio.wait({solution, solution_exec}, return_when=asyncio.FIRST_COMPLETED)
-        if not solution.done():
-            solution.cancel()
-            grader_writer.close()
-            return
-        solution_reader, solution_writer = solution.result()
-        pumps = [asyncio.ensure_future(_pump(grader_reader, solution_writer)),
-                 asyncio.ensure_future(_pump(solution_reader, grader_writer))]
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        for pump in pumps:
-            pump.cancel()
-        grader_writer.close()
-        solution_writer.close()
-
-    async def run(self, grader_box: Sandbox, grader_argv: list[str], solution_box: Sandbox,
-                  solution_argv: list[str], timeout_s: float) -> BridgeRun:
-        """Run both sides, relaying between them; the solution is killed when the grader
-        is done."""
-        solution_exec = asyncio.ensure_future(solution_box.exec(solution_argv,
-                                                                timeout_s=timeout_s))
-        relay = asyncio.ensure_future(self.relay(solution_exec))
-        try:
-            grader = await grader_box.exec(grader_argv, timeout_s=timeout_s)
-        finally:
-            relay.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay
-            for writer in self._writers:
-                writer.close()
-        if not solution_exec.done():
-            await solution_box.close()  # kills what is left of it
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            return BridgeRun(grader, await solution_exec)
-        return BridgeRun(grader, None)
-
-
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        while chunk := await reader.read(1 << 16):
-            writer.write(chunk)
-            await writer.drain()
