@@ -16,17 +16,18 @@ Turn-level rewards (one per assistant turn; the last is the outcome):
 
 Grading never trusts the agent's sandbox, and never shares an address space with the
 solution (:mod:`environments.framework.call_bridge`): ``solution.py`` as the agent left it
-is copied into a fresh sandbox where a small host imports it and serves calls to the
-entry point; the hidden tests (the full HumanEvalPack ``test``, more than the visible
-examples) run in a second fresh sandbox, against the pristine ``prompt`` (its helpers) with
-the entry point replaced by a proxy that sends its arguments as plain data (JSON) and
-decodes the reply into builtin types. The grader compares the values itself and prints
-``PASS`` on its own stdout; a pass needs exit code 0 and that last line. No secret exists
-for the solution to find: it cannot see the grader's process, memory, files or output, so
-printing a pass line, exiting early, patching builtins or reading frames earns nothing
-(tested: ``tests/test_graders_adversarial.py``). What the hidden tests pass to the entry
-point, and what it returns, must be plain data (numbers, strings, lists, tuples, dicts,
-sets, bytes): a test that passes a function or checks an argument's mutation fails.
+goes into a fresh sandbox with a grader that holds the hidden tests (the full HumanEvalPack
+``test``, more than the visible examples), the pristine ``prompt`` (its helpers) and a
+nonce. The grader makes itself undumpable and forks the solution's process, which forgets
+those secrets before it imports ``solution.py`` and serves calls to the entry point; the
+tests call it through a proxy that sends arguments as plain data (JSON) and decodes the
+reply into builtin types. The grader compares the values itself and prints ``PASS nonce``
+on its own stdout; a pass needs exit code 0 and that last line. So printing a pass line,
+exiting early, patching builtins, reading frames, the garbage collector, /proc or files
+earns nothing (tested: ``tests/test_graders_adversarial.py``). What the hidden tests pass
+to the entry point, and what it returns, must be plain data (numbers, strings, lists,
+tuples, dicts, sets, bytes): a test that passes a function or checks an argument's
+mutation fails.
 
 Data: ``dataset: bigcode/humanevalpack`` (the default; its ``python`` config, loaded with
 ``datasets.load_dataset``) or ``dataset: sample``, 8 buggy functions with tests written
