@@ -44,7 +44,7 @@ and the ``DONE clean`` line, all with a random nonce. A failure of the grading s
 itself (it could not start, the pristine snapshot could not be laid down, ``test_patch``
 does not apply to it) raises: the group is dropped, never scored 0.
 
-unittest (the sample tasks): the grader process never imports the repository. It reads the
+The grader process never imports the repository. It reads the
 nonce into a bytearray (its only copy) and deletes its file, makes itself undumpable (no
 process of the sandbox can read its memory, descriptors or environment through /proc, or
 ptrace it) and a child subreaper, then forks one child per test module
@@ -60,8 +60,8 @@ Inside a child, the checks of the test machinery stay (``TestCase``, ``TestResul
 ``TestSuite``, the loader, ``builtins`` unpatched; every function of a test's class from a
 test file).
 
-pytest (real data): one process runs pytest on the files that hold the listed ids, with
-the same nonce file and machinery checks; the repository's code shares that process.
+pytest (real data): the same parent forks one child per test file (or per test), which
+runs pytest on it with the machinery checks; ids are looked up in pytest's reports.
 
 Known limits, honestly:
 
@@ -71,8 +71,8 @@ Known limits, honestly:
   frames, write ``token passed id`` lines to the report pipe, exit 0) reports its own
   module's tests as passed (``tests/test_graders_adversarial.py`` keeps this as a test), and
   inside a child the test machinery checks can be bypassed as before (patching what they do
-  not watch, ``sys.settrace``, ``ctypes``). With pytest, the nonce is in the process that
-  runs the repository (frame or ``gc`` introspection finds it). What no longer works:
+  not watch, ``sys.settrace``, ``ctypes``); the same holds for pytest's children. What
+  no longer works:
   reaching the parent's nonce or results (undumpable, nonce zeroed), forging another
   module's results, atexit hooks, threads and daemons outliving the child, early exits,
   and rewriting test files or bytecode for a later child.
@@ -360,7 +360,8 @@ class Grading:
     """Status of each listed test: passed, failed, error, skipped, not_found, tampered,
     missing (no result line)."""
     clean: bool = False
-    """The grader finished and found the test machinery untouched."""
+    """The grader finished and the test files stayed as they were (a child that found the
+    test machinery patched reports its tests ``tampered``)."""
     edited_tests: bool = False
     reason: str = ""
 
@@ -514,17 +515,16 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
                 raise SandboxError(f"item {item['id']}: test_patch does not apply to the "
                                    f"pristine snapshot: {result.describe(500)}")
         wanted = item["fail_to_pass"] + item["pass_to_pass"]
-        spec: dict[str, Any] = {"tests": wanted}
+        spec: dict[str, Any] = {
+            "tests": wanted, "timeout_s": max(1.0, c.grading_timeout_s - 2),
+            "per_test": c.grading_child_per_test,
+            "protect": (sorted(p for p in item["files"] if is_test_path(p))
+                        if item.get("files") is not None else item["test_files"])}
         if item["runner"] == "pytest":
-            spec["files"] = sorted({t.split("::")[0] for t in wanted})
             spec["paths"] = ["", "src"]
             grader, python = PYTEST_GRADER, f"{c.testbed_bin}/python"
         else:
             grader, python = UNITTEST_GRADER, "python3"
-            spec["protect"] = sorted(p for p in item["files"] if is_test_path(p)) \
-                if item.get("files") is not None else item["test_files"]
-            spec["timeout_s"] = max(1.0, c.grading_timeout_s - 2)
-            spec["per_test"] = c.grading_child_per_test
         nonce = secrets.token_hex(16)
         await box.write_file(f"{GRADING_DIR}/grader.py", grader)
         await box.write_file(f"{GRADING_DIR}/spec.json", json.dumps(spec))
