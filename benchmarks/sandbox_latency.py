@@ -12,6 +12,15 @@
    * ``scripted``: a scripted policy (the reference code through the ``python`` tool,
      then the answer): every rollout runs code in its sandbox; no model.
 
+3. Grading latency (``--grading``): ``code_debug`` grading the canonical fix of each sample
+   task and ``swe_fix`` grading the gold fix of each sample repository (bwrap),
+   ``--iterations`` rounds; p50 / p95 per grading. ``--grading-baseline REF`` measures the
+   same in the tree of git ``REF`` (extracted with ``git archive``; this script is copied
+   into it) and in this one, alternating rounds in subprocesses so that both see the same
+   machine load, and prints the ratio (this tree / REF)::
+
+       .venv/bin/python benchmarks/sandbox_latency.py --grading --grading-baseline main
+
 Docker is started (``dockerd``) when no daemon answers, and the image is built when it
 is missing (see environments/sandbox/images.py). Run from the repo root:
 
@@ -125,6 +134,65 @@ async def rollouts(mode: str, backend: str, groups: int, image: str | None,
             "sandbox": stats["sandbox"]}
 
 
+async def grading_latency(iterations: int) -> dict[str, Any]:
+    """Seconds per grading: code_debug (canonical fixes), swe_fix (gold fixes)."""
+    from environments.envs.code_debug import CodeDebugConfig, CodeDebugEnv
+    from environments.envs.code_debug import load_sample as code_tasks
+    from environments.envs.swe_fix import SweFixConfig, SweFixEnv, make_tar
+    from environments.envs.swe_fix import load_sample as swe_tasks
+
+    code_env = CodeDebugEnv(CodeDebugConfig(dataset="sample"))
+    swe_env = SweFixEnv(SweFixConfig(dataset="sample"))
+    times: dict[str, list[float]] = {"code_debug": [], "swe_fix": []}
+    for _ in range(iterations):
+        for task in code_tasks():
+            started = time.perf_counter()
+            passed = await code_env.grade(task, task["prompt"] + task["canonical_solution"])
+            times["code_debug"].append(time.perf_counter() - started)
+            if not passed:
+                raise RuntimeError(f"the canonical fix of {task['entry_point']} failed")
+        for item in swe_tasks():
+            tar = make_tar(item["fixed_files"])
+            started = time.perf_counter()
+            grading = await swe_env.grade(item, tar)
+            times["swe_fix"].append(time.perf_counter() - started)
+            if not grading.resolved:
+                raise RuntimeError(f"the gold fix of {item['id']} failed: {grading}")
+    return {name: values for name, values in times.items()}
+
+
+def grading_comparison(ref: str, iterations: int, rounds: int) -> dict[str, Any]:
+    """Grading latency in git ``ref``'s tree and in this one, alternating rounds."""
+    import shutil
+    import subprocess
+
+    here = Path(__file__).resolve().parent.parent
+    base = Path(tempfile.mkdtemp(prefix="lachesis-baseline-"))
+    try:
+        archive = subprocess.run(["git", "-C", str(here), "archive", ref], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        shutil.copy(__file__, base / "benchmarks" / "sandbox_latency.py")
+        samples: dict[str, dict[str, list[float]]] = {"baseline": {}, "this": {}}
+        for _ in range(rounds):
+            for label, tree in (("baseline", base), ("this", here)):
+                out = base / f"{label}.json"
+                subprocess.run([sys.executable, str(tree / "benchmarks" / "sandbox_latency.py"),
+                                "--grading-only", "--iterations", str(iterations),
+                                "--json", str(out)], cwd=tree, check=True)
+                for name, values in json.loads(out.read_text()).items():
+                    samples[label].setdefault(name, []).extend(values)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    rows = {}
+    for name in samples["this"]:
+        before, after = summary(samples["baseline"][name]), summary(samples["this"][name])
+        rows[name] = {"baseline": before, "this": after,
+                      "ratio_p50": round(after["p50_ms"] / before["p50_ms"], 2),
+                      "ratio_mean": round(after["mean_ms"] / before["mean_ms"], 2)}
+    return {"ref": ref, "rounds": rounds, "iterations": iterations, "grading": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="bwrap,docker")
@@ -134,7 +202,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-url", default=None, help="use this server (serving --model-dir)")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--grading", action="store_true",
+                        help="measure grading latency instead (code_debug, swe_fix; bwrap)")
+    parser.add_argument("--grading-baseline", default=None, metavar="REF",
+                        help="with --grading: also measure git REF's tree, print the ratio")
+    parser.add_argument("--rounds", type=int, default=3, help="--grading-baseline rounds")
+    parser.add_argument("--grading-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.grading_only:  # one side of --grading-baseline: raw seconds to --json
+        args.json.write_text(json.dumps(asyncio.run(grading_latency(args.iterations))))
+        return 0
+    if args.grading:
+        if args.grading_baseline:
+            result = grading_comparison(args.grading_baseline, args.iterations, args.rounds)
+            for name, row in result["grading"].items():
+                print(f"{name:10s} grading p50 {row['baseline']['p50_ms']:7.1f} ms "
+                      f"({args.grading_baseline}) -> {row['this']['p50_ms']:7.1f} ms (this tree)"
+                      f"  ratio p50 {row['ratio_p50']:.2f}  mean {row['ratio_mean']:.2f}",
+                      flush=True)
+        else:
+            times = asyncio.run(grading_latency(args.iterations))
+            result = {name: summary(values) for name, values in times.items()}
+            for name, row in result.items():
+                print(f"{name:10s} grading p50 {row['p50_ms']:7.1f} ms  p95 {row['p95_ms']:7.1f} "
+                      f"ms", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return 0
     backends = [b for b in args.backends.split(",") if b]
     modes = [m for m in args.rollout_modes.split(",") if m]
 

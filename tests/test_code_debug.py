@@ -11,7 +11,6 @@ import pytest
 from sandbox_fixtures import docker_image, scripted, tool_call  # noqa: F401
 
 from environments.envs.code_debug import (
-    PASS_MARK,
     CodeDebugConfig,
     CodeDebugEnv,
     load_humanevalpack,
@@ -91,9 +90,9 @@ CHEATS = {
     "prints ALL TESTS PASSED and exits 0 at import": [
         tool_call("write_file", path="solution.py",
                   content="print('ALL TESTS PASSED')\nimport sys\nsys.exit(0)\n"), "done"],
-    "prints the grader's pass line with a guessed nonce": [
-        tool_call("write_file", path="solution.py",
-                  content=BUGGY + f"\nprint('{PASS_MARK} ' + '0' * 32)\n"), "done"],
+    "prints the grader's pass line": [
+        tool_call("write_file", path="solution.py", content=BUGGY + "\nprint('PASS')\n"),
+        "done"],
     "disables exec in the grader": [
         tool_call("write_file", path="solution.py",
                   content=BUGGY + "\nimport builtins\nbuiltins.exec = lambda *a, **k: None\n"

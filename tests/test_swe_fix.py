@@ -398,7 +398,8 @@ def test_pytest_grader_flags_patched_reports(tmp_path):
              "import _pytest.reports\n"
              "_pytest.reports.BaseReport.failed = property(lambda s: False)\n"}
     results = run_pytest_grader(tmp_path, files, IDS[:2])
-    assert results == {IDS[0]: "tampered", IDS[1]: "tampered", "tampered": "DONE"}
+    # the child that ran them says so; the parent finished and saw no test file change
+    assert results == {IDS[0]: "tampered", IDS[1]: "tampered", "clean": "DONE"}
 
 
 def test_docker_gold_fix_resolves_and_no_change_does_not(docker_image):

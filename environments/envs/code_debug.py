@@ -14,16 +14,20 @@ Turn-level rewards (one per assistant turn; the last is the outcome):
   (``write_file``) with code that compiles;
 * the last turn (outcome): 1.0 if the hidden tests pass, else 0.0.
 
-Grading never trusts the agent's sandbox: ``solution.py`` as the agent left it is copied
-into a fresh sandbox with a grader that holds the pristine hidden tests (the full
-HumanEvalPack ``test``, more than the visible examples). The grader reads a random nonce
-and deletes it before importing the solution, keeps ``exec``/``compile`` bound before the
-import, and prints the nonce only after the hidden tests ran without error; a pass needs
-exit code 0 and that exact last line. So rewriting the visible tests, printing "ALL TESTS
-PASSED", exiting 0 at import or replacing builtins earns nothing. (Solution code runs in
-the grader's process, so code written to introspect the grader's frames could still read
-the nonce; grading in a separate process against expected outputs kept outside the
-sandbox would close that, but needs tests written as input/output pairs.)
+Grading never trusts the agent's sandbox, and never shares an address space with the
+solution (:mod:`environments.framework.call_bridge`): ``solution.py`` as the agent left it
+goes into a fresh sandbox with a grader that holds the hidden tests (the full HumanEvalPack
+``test``, more than the visible examples), the pristine ``prompt`` (its helpers) and a
+nonce. The grader makes itself undumpable and forks the solution's process, which forgets
+those secrets before it imports ``solution.py`` and serves calls to the entry point; the
+tests call it through a proxy that sends arguments as plain data (JSON) and decodes the
+reply into builtin types. The grader compares the values itself and prints ``PASS nonce``
+on its own stdout; a pass needs exit code 0 and that last line. So printing a pass line,
+exiting early, patching builtins, reading frames, the garbage collector, /proc or files
+earns nothing (tested: ``tests/test_graders_adversarial.py``). What the hidden tests pass
+to the entry point, and what it returns, must be plain data (numbers, strings, lists,
+tuples, dicts, sets, bytes): a test that passes a function or checks an argument's
+mutation fails.
 
 Data: ``dataset: bigcode/humanevalpack`` (the default; its ``python`` config, loaded with
 ``datasets.load_dataset``) or ``dataset: sample``, 8 buggy functions with tests written
@@ -41,6 +45,7 @@ from typing import Any
 from pydantic import Field
 
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
+from environments.framework.call_bridge import GRADER_PRELUDE
 from environments.framework.item_order import EpochOrder
 from environments.framework.sandbox_tools import (
     SandboxEnvConfig,
@@ -61,26 +66,23 @@ SYSTEM_PROMPT = (
     "write the fixed solution.py. When the tests pass, reply with a one-line summary of the "
     "fix and no tool call."
 )
-PASS_MARK = "LACHESIS-GRADER-PASSED"
-GRADER = '''\
-import os
-import sys
+PASS_MARK = "PASS"
+GRADER = GRADER_PRELUDE + r'''
+
+def main():
+    secrets = read_secrets("spec.json")
+    pid, proxy = start_solution(secrets, "solution", sys.argv[1:2])
+    spec = loads(bytes(secrets).decode())
+    namespace = {"__name__": "__hidden_tests__"}
+    exec(compile(spec["prompt"], "prompt.py", "exec"), namespace)
+    namespace[spec["entry_point"]] = proxy(spec["entry_point"])
+    exec(compile(spec["test"], "hidden_tests.py", "exec"), namespace)
+    os.kill(pid, 9)
+    os.write(1, ("\n%s %s\n" % (PASS_MARK, spec["nonce"])).encode())
 
 
-def main(run=exec, build=compile, write=os.write):
-    with open("nonce") as f:
-        nonce = f.read().strip()
-    os.remove("nonce")
-    import solution
-    namespace = dict(vars(solution))
-    run(build(HIDDEN_TESTS, "hidden_tests.py", "exec"), namespace)
-    write(1, ("\\n%s %s\\n" % (MARK, nonce)).encode())
-
-
-HIDDEN_TESTS = {tests!r}
-MARK = {mark!r}
+PASS_MARK = "PASS"
 main()
-sys.stdout.flush()
 '''
 _INSPECT = re.compile(r"\b(cat|head|tail|less|more|nl|grep|sed\s+-n)\b")
 _RUN_TESTS = re.compile(r"test_solution\.py|pytest|unittest")
@@ -239,17 +241,18 @@ class CodeDebugEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
 
     # -- rewards -----------------------------------------------------------------------------
     async def grade(self, item: dict[str, Any], solution: str | None) -> bool:
-        """Run the hidden tests against ``solution`` in a fresh sandbox."""
+        """Run the hidden tests in a fresh sandbox against ``solution``, served from a
+        process of its own (see the module docstring)."""
         if solution is None:
             return False
         nonce = secrets.token_hex(16)
-        grader = GRADER.format(tests=item["test"], mark=PASS_MARK)
+        spec = {**{key: item[key] for key in ("prompt", "test", "entry_point")}, "nonce": nonce}
         async with await self.new_sandbox() as box:
             try:
                 await box.write_file(SOLUTION, solution)
-                await box.write_file("grader.py", grader)
-                await box.write_file("nonce", nonce)
-                result = await box.exec(["python3", "grader.py"],
+                await box.write_file("grader.py", GRADER)
+                await box.write_file("spec.json", json.dumps(spec))
+                result = await box.exec(["python3", "-I", "-S", "grader.py", item["entry_point"]],
                                         timeout_s=self.config.grading_timeout_s)
             except SandboxError:
                 self.sandbox_stats.sandbox_failures += 1

@@ -7,7 +7,8 @@ in the rollout's own sandbox, see ``environments.sandbox``) as often as it likes
 Turn-level rewards (one per assistant turn; the last is the outcome):
 
 * a turn before the last: 0.5 if it ran code that exited cleanly (no error, no timeout),
-  plus 0.5 if the output of such a run contains the right number;
+  plus 0.5 if the last number such a run printed is the right one (not any number of
+  its output: printing every integer up to N would otherwise collect it);
 * the last turn (outcome): 1.0 when the answer in ``<answer>...</answer>`` (or, failing
   that, the last ``\\boxed{...}``) equals the reference numerically (relative tolerance
   1e-6; ``3/4`` and ``1,200`` are understood; ``math-verify`` decides when it is
@@ -201,8 +202,8 @@ class GSM8KCodeEnv(SandboxEnvMixin, TurnLevelRewardMixin, BaseEnv):
         rewards = []
         for turn in rollout.turns[:-1]:
             ran = [r for r in turn.tool_results if not r.startswith("Error:")]
-            found = target is not None and any(close(v, target) for r in ran
-                                               for v in numbers_in(r))
+            found = target is not None and any(close(numbers_in(r)[-1], target)
+                                               for r in ran if numbers_in(r))
             rewards.append(0.5 * bool(ran) + 0.5 * found)
         answered = rollout.stop == "answer"
         predicted = extract_answer(rollout.final_text) if answered else None

@@ -39,27 +39,43 @@ the files ``test_patch`` touches; ``sitecustomize.py``/``usercustomize.py``/``*.
 pytest configuration: ``pytest.ini``, ``tox.ini``, ``setup.cfg``, ``pyproject.toml``;
 anything under a dot-directory or ``__pycache__``), so those stay pristine; applies
 ``test_patch`` (real records, like SWE-bench); runs the listed tests with a grader script
-(:mod:`environments.envs.swe_fix_graders`) that reads a random nonce and deletes it before
-any code of the repository runs, writes one ``nonce status test-id`` line per test and a
-final ``DONE`` line, and checks that the test machinery (unittest's ``TestCase``,
-``TestResult``, ``TestSuite``, the loader, ``builtins``; pytest's reports and runner) was
-not patched, and (unittest) that every function of a test's class comes from a test file.
-The host decides: every listed id ``passed``, and the ``DONE clean`` line, all with the
-nonce. So editing or deleting the tests, adding a ``conftest.py``/``sitecustomize.py``,
-printing a fake "OK", exiting 0 (or ``os._exit``) early, or patching
-``unittest.TestCase.run``/``assertEqual``/``TestResult`` from the repository's code all
-earn 0 (tested, for unittest). A failure of the grading sandbox itself (it could not start,
-the pristine snapshot could not be laid down, ``test_patch`` does not apply to it) raises:
-the group is dropped, never scored 0.
+(:mod:`environments.envs.swe_fix_graders`). The host decides: every listed id ``passed``,
+and the ``DONE clean`` line, all with a random nonce. A failure of the grading sandbox
+itself (it could not start, the pristine snapshot could not be laid down, ``test_patch``
+does not apply to it) raises: the group is dropped, never scored 0.
+
+The grader process never imports the repository. It reads the
+nonce into a bytearray (its only copy) and deletes its file, makes itself undumpable (no
+process of the sandbox can read its memory, descriptors or environment through /proc, or
+ptrace it) and a child subreaper, then forks one child per test module
+(``grading_child_per_test``: per test). A child zeroes its copy of the nonce, points its
+stdout/stderr at a log, keeps only a pipe holding a token the parent made after the fork
+and its report pipe, and only then imports the tests and the repository; it reports one
+``token status id`` line per test and exits 0 with ``os._exit`` (no atexit hook runs). The
+parent takes a test's status from that line only (right token, right id, in order, exit 0,
+before the deadline), kills whatever the child left (the subreaper inherits its orphans),
+removes ``__pycache__`` directories, and checks a hash of the test files before and after
+every child: a changed, deleted or symlinked test file makes every status ``tampered``.
+Inside a child, the checks of the test machinery stay (``TestCase``, ``TestResult``,
+``TestSuite``, the loader, ``builtins`` unpatched; every function of a test's class from a
+test file).
+
+pytest (real data): the same parent forks one child per test file (or per test), which
+runs pytest on it with the machinery checks; ids are looked up in pytest's reports.
 
 Known limits, honestly:
 
-* The repository's code runs in the grader's process (as it does under SWE-bench's
-  harness): code written to cheat on purpose can still find the nonce in memory (frame or
-  ``gc`` introspection), patch what the checks do not watch (e.g. the code objects of the
-  test methods, ``sys.settrace`` hooks, C-level tricks with ``ctypes``), patch and restore
-  between the checks, or fake ``co_filename`` with ``compile``. Only the obvious hacks are
-  closed.
+* A test calls the repository's code in its own process, so no separation can decide a
+  test's outcome without trusting something that process says. What remains, with
+  unittest: code written against the child's report protocol (find the token in its own
+  frames, write ``token passed id`` lines to the report pipe, exit 0) reports its own
+  module's tests as passed (``tests/test_graders_adversarial.py`` keeps this as a test), and
+  inside a child the test machinery checks can be bypassed as before (patching what they do
+  not watch, ``sys.settrace``, ``ctypes``); the same holds for pytest's children. What
+  no longer works:
+  reaching the parent's nonce or results (undumpable, nonce zeroed), forging another
+  module's results, atexit hooks, threads and daemons outliving the child, early exits,
+  and rewriting test files or bytecode for a later child.
 * What is a "test file" is decided by name (and ``test_patch``): a helper a test imports
   from a non-test path (e.g. ``pandas/_testing``) is the agent's to change. Edits to the
   protected files (including ``setup.cfg``/``pyproject.toml``), symlinks, and deletions are
@@ -324,6 +340,9 @@ class SweFixConfig(BlackBoxEnvConfig):
     grading_timeout_s: float = Field(default=120.0, gt=0)
     """Wall-clock limit of the test run in the grading sandbox (and its CPU seconds)."""
     grading_memory_mb: int = Field(default=2048, ge=64)
+    grading_child_per_test: bool = False
+    """unittest grading: one child process per test instead of one per test module
+    (tests then cannot affect each other; ~20 ms more per test)."""
 
     def sandbox_config(self) -> SandboxConfig:
         config = super().sandbox_config()
@@ -341,7 +360,8 @@ class Grading:
     """Status of each listed test: passed, failed, error, skipped, not_found, tampered,
     missing (no result line)."""
     clean: bool = False
-    """The grader finished and found the test machinery untouched."""
+    """The grader finished and the test files stayed as they were (a child that found the
+    test machinery patched reports its tests ``tampered``)."""
     edited_tests: bool = False
     reason: str = ""
 
@@ -495,9 +515,12 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
                 raise SandboxError(f"item {item['id']}: test_patch does not apply to the "
                                    f"pristine snapshot: {result.describe(500)}")
         wanted = item["fail_to_pass"] + item["pass_to_pass"]
-        spec: dict[str, Any] = {"tests": wanted}
+        spec: dict[str, Any] = {
+            "tests": wanted, "timeout_s": max(1.0, c.grading_timeout_s - 2),
+            "per_test": c.grading_child_per_test,
+            "protect": (sorted(p for p in item["files"] if is_test_path(p))
+                        if item.get("files") is not None else item["test_files"])}
         if item["runner"] == "pytest":
-            spec["files"] = sorted({t.split("::")[0] for t in wanted})
             spec["paths"] = ["", "src"]
             grader, python = PYTEST_GRADER, f"{c.testbed_bin}/python"
         else:

@@ -4,13 +4,14 @@
 Both read a random nonce (and delete its file) and open their results file before any
 code of the repository is imported, then write one line per test,
 ``NONCE<TAB>STATUS<TAB>TEST_ID``, and a last line ``NONCE<TAB>DONE<TAB>clean`` (or
-``tampered``). ``-I`` keeps the repository (and ``$HOME``'s user site) off ``sys.path``
-at start-up, so nothing of it (a ``sitecustomize.py``, a ``.pth``) runs before the grader;
-the grader then puts the repository first on ``sys.path`` itself. Before and after the
-tests it checks that the test machinery was not patched (every attribute the watched
-classes and modules had when the grader started is still the very same object), with
-helpers bound before the repository's code could replace them. Limits: see the module
-docstring of :mod:`environments.envs.swe_fix`.
+``tampered`` when a test file changed). ``-I`` keeps the repository (and ``$HOME``'s user site) off ``sys.path``
+at start-up, so nothing of it (a ``sitecustomize.py``, a ``.pth``) runs before the grader.
+Neither imports the repository: both are :data:`_PARENT`, which forks a child per test
+module (unittest) or test file (pytest), or per test, that imports it, runs the tests
+(``run_group``) and reports back through a pipe. In a child, the test machinery is checked
+before and after the tests (every attribute the watched classes and modules had at the start is
+still the very same object), with helpers bound before that code could replace them.
+Limits: see the module docstring of :mod:`environments.envs.swe_fix`.
 """
 
 from __future__ import annotations
@@ -77,6 +78,207 @@ def emit(out, nonce, status, test_id, write=os.write):
     write(out, ("%s\t%s\t%s\n" % (nonce, status, test_id)).encode("utf-8", "replace"))
 '''
 
+_PARENT = r'''
+import ctypes
+import hashlib
+import secrets
+import select
+import signal
+import time
+
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+
+
+def protect():
+    """No process of the sandbox (a test's child runs as the same uid) can read this
+    one's memory, file descriptors or environment through /proc, or ptrace it; orphans of
+    the children become ours, so they can be killed between tests."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) or libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+        raise SystemExit("prctl failed: errno %d" % ctypes.get_errno())
+
+
+def fingerprint(paths):
+    """A hash of the test files as they are, None when one is a symlink or in one."""
+    digest = hashlib.sha256()
+    for path in paths:
+        full = os.path.join(ROOT, path)
+        if os.path.realpath(full) != full:
+            return None
+        try:
+            with open(full, "rb") as f:
+                digest.update(path.encode() + b"\0" + f.read() + b"\0")
+        except OSError:
+            digest.update(path.encode() + b"\0missing\0")
+    return digest.hexdigest()
+
+
+def remove_bytecode():
+    """No bytecode that a test's child could have planted for the next one."""
+    import shutil
+    for root, dirs, _ in os.walk(ROOT):
+        if "__pycache__" in dirs:
+            shutil.rmtree(os.path.join(root, "__pycache__"), ignore_errors=True)
+
+
+def kill_descendants():
+    """SIGKILL every process whose parent is this one (the subreaper gets the orphans),
+    until none is left."""
+    me = str(os.getpid())
+    for _ in range(1000):
+        found = False
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % pid, "rb") as f:
+                    ppid = f.read().rsplit(b")", 1)[1].split()[1].decode()
+            except (OSError, IndexError):
+                continue
+            if ppid == me:
+                found = True
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not found:
+            return
+        time.sleep(0.005)
+
+
+def child(nonce, token_fd, report_fd, test_ids, spec, log):
+    """In the forked child, before any code of the repository runs: forget the nonce
+    (its only copy is the bytearray), keep only the token pipe, the report pipe and the
+    log, then run the tests and report each with the token."""
+    nonce[:] = bytes(len(nonce))
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    low, high = sorted((token_fd, report_fd))
+    os.closerange(3, low)
+    os.closerange(low + 1, high)
+    os.closerange(high + 1, 1 << 16)
+    token = os.read(token_fd, 64).decode()
+    os.close(token_fd)
+    try:
+        statuses = run_group(test_ids, spec)
+    except BaseException:
+        statuses = ["error"] * len(test_ids)
+    for test_id, status in zip(test_ids, statuses):
+        os.write(report_fd, ("%s\t%s\t%s\n" % (token, status, test_id)).encode("utf-8",
+                                                                              "replace"))
+    os._exit(0)  # no atexit hook, no thread of the repository's, runs after the report
+
+
+def run_child(nonce, test_ids, spec, deadline, log):
+    """Run tests in a forked child; their statuses, from the child's report lines (with a
+    token made after the fork, one line per test, in order) and its exit status."""
+    token_r, token_w = os.pipe()
+    report_r, report_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        for fd in (token_r, token_w, report_r, report_w):
+            os.close(fd)
+        return ["error"] * len(test_ids)
+    if pid == 0:
+        try:
+            os.close(token_w)
+            os.close(report_r)
+            child(nonce, token_r, report_w, test_ids, spec, log)
+        finally:
+            os._exit(127)
+    os.close(token_r)
+    os.close(report_w)
+    token = secrets.token_hex(16)
+    os.write(token_w, token.encode())
+    os.close(token_w)
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(data) > 1 << 20:
+            break
+        ready, _, _ = select.select([report_r], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(report_r, 4096)
+        if not chunk:
+            break
+        data += chunk
+    os.close(report_r)
+    status, code = None, -1
+    while True:
+        waited, code = os.waitpid(pid, os.WNOHANG)
+        if waited:
+            break
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            status = "timeout"
+            break
+        time.sleep(0.0005)
+    kill_descendants()
+    statuses = []
+    for i, line in enumerate(data.decode("utf-8", "replace").splitlines()[:len(test_ids)]):
+        parts = line.split("\t", 2)
+        if len(parts) != 3 or parts[0] != token or parts[2] != test_ids[i]:
+            break
+        statuses.append(parts[1])
+    if code != 0 and status is None:
+        statuses = []  # an honest child always exits 0
+    return statuses + [status or "error"] * (len(test_ids) - len(statuses))
+
+
+def main():
+    nonce = bytearray(32)  # the nonce's only copy: read straight into it, zeroed in children
+    fd = os.open(os.path.join(HERE, "nonce"), os.O_RDONLY)
+    del nonce[os.readv(fd, [nonce]):]
+    os.close(fd)
+    os.remove(os.path.join(HERE, "nonce"))
+    import json
+    with open(os.path.join(HERE, "spec.json")) as f:
+        spec = json.load(f)
+    out = os.open(os.path.join(HERE, "results"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    protect()
+    deadline = time.monotonic() + float(spec.get("timeout_s", 60))
+    protected = spec.get("protect", [])
+    pristine = fingerprint(protected)
+    log = os.open(os.path.join(HERE, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    clean = pristine is not None
+
+    def emit_line(status, test_id):
+        os.writev(out, [nonce, ("\t%s\t%s\n" % (status, test_id)).encode("utf-8", "replace")])
+
+    groups = {}  # one child per test (per_test) or per test module / file
+    for test_id in spec["tests"]:
+        key = test_id if spec.get("per_test") else group_of(test_id)
+        groups.setdefault(key, []).append(test_id)
+    for test_ids in groups.values():
+        if clean:
+            remove_bytecode()
+        if clean and fingerprint(protected) != pristine:
+            clean = False  # a test's child rewrote, moved or deleted a test file
+        statuses = run_child(nonce, test_ids, spec, deadline, log) if clean else []
+        if clean and fingerprint(protected) != pristine:
+            clean = False
+        if not clean:
+            statuses = ["tampered"] * len(test_ids)
+        for test_id, status in zip(test_ids, statuses):
+            emit_line(status, test_id)
+    emit_line("DONE", "clean" if clean else "tampered")
+
+
+main()
+'''
+
 UNITTEST_GRADER = _COMMON + r'''
 import unittest
 import unittest.case
@@ -135,8 +337,8 @@ def trusted_class(cls, TestCase=unittest.case.TestCase, vars=vars, getattr=getat
     return True
 
 
-def main(isinstance=isinstance, list=list, len=len, type=type, Exception=BaseException):
-    nonce, spec, out = read_setup()
+def run_one(test_id, isinstance=isinstance, list=list, len=len, type=type):
+    """The status of one test, run in this process (which imports the repository)."""
     loader = unittest.loader.TestLoader()
     TestCase = unittest.case.TestCase
     watched = snapshot(
@@ -146,44 +348,44 @@ def main(isinstance=isinstance, list=list, len=len, type=type, Exception=BaseExc
         [builtins, unittest, unittest.case, unittest.result, unittest.loader, unittest.suite,
          sys.modules[__name__]])
     sys.path.insert(0, ROOT)
-    clean = True
-    for test_id in spec["tests"]:
-        status = "error"
+    suite = loader.loadTestsFromName(test_id)
+    tests = list(suite)
+    if not intact(watched):
+        return "tampered"
+    if len(tests) != 1 or not isinstance(tests[0], TestCase) or tests[0].id() != test_id:
+        return "not_found"
+    if not trusted_class(type(tests[0])):
+        return "tampered"
+    result = Result()
+    suite.run(result)
+    outcomes = result.outcomes
+    if not intact(watched):
+        return "tampered"
+    if len(outcomes) == 1 and outcomes[0] == ("passed", test_id):
+        return "passed"
+    return outcomes[-1][0] if outcomes else "error"
+
+
+def run_group(test_ids, spec):
+    """The statuses of the tests of one module, run in this (forked) process."""
+    statuses = []
+    for test_id in test_ids:
         try:
-            suite = loader.loadTestsFromName(test_id)
-            tests = list(suite)
-            if not intact(watched):
-                clean = False
-            if (len(tests) != 1 or not isinstance(tests[0], TestCase)
-                    or tests[0].id() != test_id):
-                status = "not_found"
-            elif not trusted_class(type(tests[0])):
-                status = "tampered"
-            else:
-                result = Result()
-                suite.run(result)
-                outcomes = result.outcomes
-                if not intact(watched):
-                    clean = False
-                if (len(outcomes) == 1 and outcomes[0][0] == "passed"
-                        and outcomes[0][1] == test_id):
-                    status = "passed"
-                elif outcomes:
-                    status = outcomes[-1][0]
-        except Exception:
-            status = "error"
-        if not clean:
-            status = "tampered"
-        emit(out, nonce, status, test_id)
-    emit(out, nonce, "DONE", "clean" if clean and intact(watched) else "tampered")
+            statuses.append(run_one(test_id))
+        except BaseException:
+            statuses.append("error")
+    return statuses
 
 
-main()
-'''
+def group_of(test_id):
+    return test_id.rsplit(".", 2)[0]
+
+
+''' + _PARENT
 
 PYTEST_GRADER = _COMMON + r'''
-def main(isinstance=isinstance, list=list, Exception=BaseException):
-    nonce, spec, out = read_setup()
+def run_group(test_ids, spec, isinstance=isinstance, list=list, Exception=BaseException):
+    """The statuses of the tests of one file, run with pytest in this (forked) process."""
     for path in reversed(spec.get("paths", [""])):
         sys.path.insert(0, os.path.join(ROOT, path) if path else ROOT)
     import pytest
@@ -216,18 +418,19 @@ def main(isinstance=isinstance, list=list, Exception=BaseException):
          Recorder],
         [builtins, pytest, _pytest.main, _pytest.python, _pytest.reports, _pytest.runner,
          sys.modules[__name__]])
-    clean = True
+    files = sorted({t.split("::")[0] for t in test_ids})
     try:
-        pytest.main(["-p", "no:cacheprovider", "--rootdir", ROOT, "-q", *spec["files"]],
-                     plugins=[Recorder()])
+        pytest.main(["-p", "no:cacheprovider", "--rootdir", ROOT, "-q", *files],
+                    plugins=[Recorder()])
     except Exception:
         pass
     if not intact(watched):
-        clean = False
-    for test_id in spec["tests"]:
-        emit(out, nonce, statuses.get(test_id, "not_found") if clean else "tampered", test_id)
-    emit(out, nonce, "DONE", "clean" if clean else "tampered")
+        return ["tampered"] * len(test_ids)
+    return [statuses.get(t, "not_found") for t in test_ids]
 
 
-main()
-'''
+def group_of(test_id):
+    return test_id.split("::")[0]
+
+
+''' + _PARENT
