@@ -72,12 +72,14 @@ def warm_start(args: argparse.Namespace) -> str:
 
 
 def arm_config(args: argparse.Namespace, model: str, arm: str, seed: int, *,
-               evaluate_before: bool = True) -> RunConfig:
-    """One run of the experiment: the config's settings with the arm's and the seed's."""
+               evaluate_before: bool = True, arms: dict[str, tuple] = ARMS) -> RunConfig:
+    """One run of the experiment: the config's settings with the arm's and the seed's.
+    An arm is ``(label, trainer settings)`` or ``(label, trainer settings, env settings)``."""
     values = base_config(args)
     values.update(name=f"{arm}-seed{seed}", model=model, warm_start=None,
                   build_tiny_model=False, evaluate_before=evaluate_before)
-    values["train"].update(**ARMS[arm][1], seed=seed)
+    values["train"].update(**arms[arm][1], seed=seed)
+    values["envs"][0]["settings"].update(arms[arm][2] if len(arms[arm]) > 2 else {})
     values["envs"][0]["settings"]["seed"] = 1000 + seed  # the same items for every arm
     return RunConfig.model_validate(values)
 
