@@ -172,6 +172,6 @@ def test_without_gigpo_the_runner_refuses_to_start(tmp_path):
     cf = load("confirmatory")
     args = argparse.Namespace(config=REPO / "configs" / "credit_assignment.yaml",
                               runs_dir=tmp_path, steps=None, arms=list(cf.ARMS))
-    with pytest.raises(SystemExit, match="arm gigpo: .*outcome_only"):
+    with pytest.raises(SystemExit, match=r"(?s)arm gigpo: .*outcome_only"):
         cf.check_arms(args)
     cf.check_arms(argparse.Namespace(**{**vars(args), "arms": ["grpo", "mt_grpo", "turn_rtg"]}))
