@@ -246,8 +246,8 @@ def plot(args: argparse.Namespace, arms: list[str], out: Path) -> None:
                       for s in args.seeds if is_finished(args.runs_dir, arm, s)]
             mean, low, high = step_bands(curves)
             steps = range(1, len(mean) + 1)
-            ax.plot(steps, mean, label=f"{ARMS[arm][0]} ({len(curves)} runs)")
-            ax.fill_between(steps, low, high, alpha=0.2)
+            line, = ax.plot(steps, mean, label=f"{ARMS[arm][0]} ({len(curves)} runs)")
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
         ax.set_xlabel("trainer step")
         ax.set_ylabel(f"batch {label} (mean, 95 % band)")
         ax.set_ylim(-0.02, 1.02)
