@@ -21,12 +21,12 @@ import contextlib
 import fcntl
 import json
 import shlex
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "experiments"))
@@ -175,12 +175,13 @@ def report(args: argparse.Namespace) -> str:
     manifest = read_manifest(args.runs_dir)
     missing = [(a, s) for s in args.seeds for a in args.arms if (a, s) not in per_run]
     tests = primary_tests(per_run, args.arms)
-    lines = [f"{len(per_run)} finished runs of {len(args.arms) * len(args.seeds)} registered "
-             f"({len(missing)} missing); {len(manifest)} attempts in the manifest.", "",
-             f"Primary endpoints. Collapse: final tool success < {COLLAPSE_BELOW}, count "
-             "[95 % Wilson interval], Fisher's exact test against GRPO-OR. Final answer "
-             "accuracy: mean [95 % t-interval], Mann-Whitney against GRPO-OR. Two-sided p, "
-             f"Holm-adjusted over the comparisons; significant if <= {ALPHA}.", "",
+    lines = [(f"{len(per_run)} finished runs of {len(args.arms) * len(args.seeds)} "
+              f"registered ({len(missing)} missing); {len(manifest)} attempts in the "
+              "manifest."), "",
+             (f"Primary endpoints. Collapse: final tool success < {COLLAPSE_BELOW}, count "
+              "[95 % Wilson interval], Fisher's exact test against GRPO-OR. Final answer "
+              "accuracy: mean [95 % t-interval], Mann-Whitney against GRPO-OR. Two-sided p, "
+              f"Holm-adjusted over the comparisons; significant if <= {ALPHA}."), "",
              "| arm | runs | collapsed | p (Holm) | answer accuracy | p (Holm) |",
              "|---|---:|---:|---:|---:|---:|"]
     for arm in args.arms:
@@ -190,14 +191,11 @@ def report(args: argparse.Namespace) -> str:
         c = sum(r["tool_success"] < COLLAPSE_BELOW for r in runs)
         rate, low, high = wilson(c, len(runs))
         mean, lo, hi = t_interval([r["correct"] for r in runs])
-
-        def p(question: str) -> str:
-            found = tests[question]
-            return "—" if arm == BASELINE else (f"{found['p'][arm]:.4f} "
-                                                f"({found['holm'][arm]:.4f})")
+        p = {q: "—" if arm == BASELINE else f"{t['p'][arm]:.4f} ({t['holm'][arm]:.4f})"
+             for q, t in tests.items()}
         lines.append(f"| {ARMS[arm][0]} | {len(runs)} | {c} = {rate:.2f} [{low:.2f}, "
-                     f"{high:.2f}] | {p('collapse')} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | "
-                     f"{p('accuracy')} |")
+                     f"{high:.2f}] | {p['collapse']} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | "
+                     f"{p['accuracy']} |")
     lines += ["", "Secondary endpoints, mean [95 % t-interval]:", "",
               "| arm | " + " | ".join(SECONDARY.values()) + " |",
               "|---|" + "---:|" * len(SECONDARY)]
@@ -209,11 +207,11 @@ def report(args: argparse.Namespace) -> str:
                 for k in SECONDARY) + " |")
     if {"mt_grpo", "gigpo"} <= {arm for arm, _ in per_run}:
         pair = primary_tests(per_run, ["mt_grpo"], baseline="gigpo")
-        lines += ["", "Secondary, unadjusted: MT-GRPO against GiGPO, collapse (Fisher) "
-                  f"p = {pair['collapse']['p']['mt_grpo']:.4f}, answer accuracy "
-                  f"(Mann-Whitney) p = {pair['accuracy']['p']['mt_grpo']:.4f}."]
-    lines += ["", "Every run: final tool success / answer accuracy / direct answers / "
-              "exact match / accuracy AUC.", "", "| arm | seed | values |", "|---|---:|---|"]
+        lines += ["", ("Secondary, unadjusted: MT-GRPO against GiGPO, collapse (Fisher) "
+                       f"p = {pair['collapse']['p']['mt_grpo']:.4f}, answer accuracy "
+                       f"(Mann-Whitney) p = {pair['accuracy']['p']['mt_grpo']:.4f}.")]
+    lines += ["", ("Every run: final tool success / answer accuracy / direct answers / "
+                   "exact match / accuracy AUC."), "", "| arm | seed | values |", "|---|---:|---|"]
     lines += [f"| {arm} | {seed} | " + " / ".join(f"{v[k]:.3f}" for k in
               ["tool_success", "correct", "direct_answer", "exact_match", "auc"]) + " |"
               for (arm, seed), v in sorted(per_run.items(), key=lambda kv: (kv[0][1], kv[0][0]))]

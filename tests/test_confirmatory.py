@@ -39,7 +39,7 @@ def fisher_by_enumeration(a, b, c, d):
                 / (factorial(n) * math.prod(factorial(v) for v in y)))
 
     observed = p(a)
-    return sum(p(x) for x in range(0, r1 + 1) if 0 < p(x) <= observed * (1 + 1e-9))
+    return sum(p(x) for x in range(r1 + 1) if 0 < p(x) <= observed * (1 + 1e-9))
 
 
 def test_fisher_exact_against_hand_computed_tables_and_enumeration():
