@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import statistics
 import sys
@@ -34,6 +33,9 @@ sys.path.insert(0, str(REPO))
 
 from lachesis.run.config import RunConfig  # noqa: E402
 from lachesis.run.supervisor import RunFailed, Supervisor, run_quietly  # noqa: E402
+
+sys.path.insert(0, str(REPO / "experiments"))
+from stats import t_interval  # noqa: E402
 
 ENV = "arithmetic_tool"
 # arm -> (label, trainer settings)
@@ -52,22 +54,6 @@ ARMS = {
 METRICS = {"tool_success": "tool success", "exact_match": "exact match",
            "correct": "answer accuracy", "direct_answer": "direct answers",
            "auc": "accuracy AUC"}
-# two-sided 95 % quantiles of Student's t, by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-       9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and 95 % t-interval ``mean ± t_{0.975, n-1} · s / sqrt(n)`` over seeds."""
-    mean = statistics.mean(values)
-    if len(values) < 2:
-        return mean, mean, mean
-    df = len(values) - 1
-    t = T95[max(d for d in T95 if d <= df)]  # conservative between table entries
-    half = t * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
-
-
 def base_config(args: argparse.Namespace) -> dict[str, Any]:
     config = yaml.safe_load(args.config.read_text())
     config["runs_dir"] = str(args.runs_dir)
@@ -86,12 +72,14 @@ def warm_start(args: argparse.Namespace) -> str:
 
 
 def arm_config(args: argparse.Namespace, model: str, arm: str, seed: int, *,
-               evaluate_before: bool = True) -> RunConfig:
-    """One run of the experiment: the config's settings with the arm's and the seed's."""
+               evaluate_before: bool = True, arms: dict[str, tuple] = ARMS) -> RunConfig:
+    """One run of the experiment: the config's settings with the arm's and the seed's.
+    An arm is ``(label, trainer settings)`` or ``(label, trainer settings, env settings)``."""
     values = base_config(args)
     values.update(name=f"{arm}-seed{seed}", model=model, warm_start=None,
                   build_tiny_model=False, evaluate_before=evaluate_before)
-    values["train"].update(**ARMS[arm][1], seed=seed)
+    values["train"].update(**arms[arm][1], seed=seed)
+    values["envs"][0]["settings"].update(arms[arm][2] if len(arms[arm]) > 2 else {})
     values["envs"][0]["settings"]["seed"] = 1000 + seed  # the same items for every arm
     return RunConfig.model_validate(values)
 

@@ -1,0 +1,306 @@
+"""The confirmatory credit-assignment study (docs/study-credit-assignment.md): GRPO-OR,
+MT-GRPO, GiGPO and turn-RTG x 32 seeds on ``configs/credit_assignment.yaml``, resumable.
+
+    nohup python experiments/confirmatory.py --lock /tmp/lachesis-heavy.lock > runs/confirmatory.log 2>&1 &
+    python experiments/confirmatory.py --cell gigpo 7   # one cell again, in runs/confirmatory-cells/
+    python experiments/confirmatory.py --report         # the registered tests, table and plot
+
+The grid runs seeds outermost, in the registered arm order. A cell is finished when its
+``summary.json`` exists; finished cells are skipped, so stopping and starting again goes
+on where it stopped (an unfinished run is started again from scratch). Every attempt
+appends one line to ``RUNS_DIR/manifest.jsonl``: arm, seed, commit, dirty tree, the full
+run config, start, seconds, outcome (finished, failed with the error, or stopped). A cell
+that failed ``MAX_ATTEMPTS`` times is left and reported as missing. The runs' settings
+come from ``experiments/credit_assignment.py``; the tests from ``experiments/stats.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "experiments"))
+
+import credit_assignment as ca  # noqa: E402
+from stats import fisher_exact, holm, mann_whitney, t_interval, wilson  # noqa: E402
+
+from lachesis.run.supervisor import RunFailed, run_quietly  # noqa: E402
+
+# arm -> (label, trainer settings, env settings), in the registered order
+ARMS = {
+    "grpo": ("GRPO-OR (outcome only)", {"estimator": "grpo"}, {}),
+    "mt_grpo": ("MT-GRPO", {"estimator": "mt_grpo"}, {}),
+    "gigpo": ("GiGPO (outcome only)", {"estimator": "gigpo"}, {"outcome_only": True}),
+    "turn_rtg": ("turn-RTG", {"estimator": "turn_rtg"}, {}),
+}
+BASELINE = "grpo"
+SEEDS = list(range(32))
+COLLAPSE_BELOW = 0.5  # final-evaluation tool success below this: collapsed
+ALPHA = 0.05  # family-wise, per question, Holm over the comparisons with BASELINE
+MAX_ATTEMPTS = 3
+SECONDARY = {"tool_success": "tool success", "exact_match": "exact match",
+             "direct_answer": "direct answers", "auc": "accuracy AUC"}
+
+
+# --- the grid: what is finished, what is left --------------------------------------------
+
+def read_manifest(runs_dir: Path) -> list[dict[str, Any]]:
+    path = runs_dir / "manifest.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def record(runs_dir: Path, entry: dict[str, Any]) -> None:
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with open(runs_dir / "manifest.jsonl", "a") as f:
+        f.write(json.dumps(entry, default=str) + "\n")
+
+
+def is_finished(runs_dir: Path, arm: str, seed: int) -> bool:
+    return (runs_dir / f"{arm}-seed{seed}" / "summary.json").exists()
+
+
+def failures(manifest: list[dict[str, Any]], arm: str, seed: int) -> int:
+    return sum(1 for e in manifest
+               if e["arm"] == arm and e["seed"] == seed and e["outcome"] == "failed")
+
+
+def pending(runs_dir: Path, arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """The cells still to run, seeds outermost: not finished and failed fewer than
+    ``MAX_ATTEMPTS`` times (a stopped attempt does not count)."""
+    manifest = read_manifest(runs_dir)
+    return [(arm, seed) for seed in seeds for arm in arms
+            if not is_finished(runs_dir, arm, seed)
+            and failures(manifest, arm, seed) < MAX_ATTEMPTS]
+
+
+def git_state() -> dict[str, Any]:
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+
+
+@contextlib.contextmanager
+def held(lock: Path | None) -> Iterator[None]:
+    """The shared heavy-work lock around one run (none: no lock)."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_cell(args: argparse.Namespace, model: str, arm: str, seed: int, *,
+             evaluate_before: bool) -> str:
+    """One attempt at one cell, recorded in the manifest; returns its outcome."""
+    config = ca.arm_config(args, model, arm, seed, arms=ARMS, evaluate_before=evaluate_before)
+    entry = {"arm": arm, "seed": seed, **git_state(), "config": config.model_dump(mode="json"),
+             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    started = time.monotonic()
+    try:
+        with held(args.lock):
+            summary = run_quietly(config)
+    except RunFailed as error:
+        record(args.runs_dir, {**entry, "outcome": "failed", "error": str(error),
+                               "seconds": time.monotonic() - started})
+        return "failed"
+    except BaseException:  # stopped (Ctrl-C, kill): started again from scratch next time
+        record(args.runs_dir, {**entry, "outcome": "stopped",
+                               "seconds": time.monotonic() - started})
+        raise
+    done = config.run_dir / "summary.json"
+    done.with_suffix(".tmp").write_text(json.dumps(summary, indent=2, default=str))
+    done.with_suffix(".tmp").rename(done)  # a cell is finished only once this exists
+    record(args.runs_dir, {**entry, "outcome": "finished", "seconds": summary["seconds"]})
+    return "finished"
+
+
+def check_arms(args: argparse.Namespace) -> None:
+    """Every arm's config is valid before any run starts (e.g. GiGPO is available)."""
+    for arm in args.arms:
+        try:
+            ca.arm_config(args, "warm-start", arm, 0, arms=ARMS).check_sections()
+        except ValueError as error:
+            raise SystemExit(f"arm {arm}: {error}\n(GiGPO and arithmetic_tool's "
+                             "outcome_only come with the objectives issue, branch h28)")
+
+
+# --- the registered analysis ------------------------------------------------------------
+
+def primary_tests(per_run: dict[tuple[str, int], dict[str, float]], arms: list[str],
+                  baseline: str = BASELINE) -> dict[str, dict[str, dict[str, float]]]:
+    """Per question, per arm against ``baseline``: raw and Holm-adjusted two-sided p."""
+    def values(arm: str, key: str) -> list[float]:
+        return [v[key] for (a, _), v in sorted(per_run.items()) if a == arm]
+
+    def collapsed(arm: str) -> tuple[int, int]:
+        runs = values(arm, "tool_success")
+        return sum(v < COLLAPSE_BELOW for v in runs), len(runs)
+
+    others = [arm for arm in arms if arm != baseline and values(arm, "correct")]
+    c0, n0 = collapsed(baseline)
+    collapse = {}
+    for arm in others:
+        c, n = collapsed(arm)
+        collapse[arm] = fisher_exact(c, n - c, c0, n0 - c0)
+    accuracy = {arm: mann_whitney(values(arm, "correct"), values(baseline, "correct"))[1]
+                for arm in others}
+    return {"collapse": {"p": collapse, "holm": holm(collapse)},
+            "accuracy": {"p": accuracy, "holm": holm(accuracy)}}
+
+
+def report(args: argparse.Namespace) -> str:
+    per_run = {(arm, seed): ca.run_values(args, arm, seed, json.loads(
+        (args.runs_dir / f"{arm}-seed{seed}" / "summary.json").read_text()))
+        for seed in args.seeds for arm in args.arms if is_finished(args.runs_dir, arm, seed)}
+    if BASELINE not in {arm for arm, _ in per_run}:
+        raise SystemExit(f"no finished {BASELINE} run under {args.runs_dir}")
+    manifest = read_manifest(args.runs_dir)
+    missing = [(a, s) for s in args.seeds for a in args.arms if (a, s) not in per_run]
+    tests = primary_tests(per_run, args.arms)
+    lines = [(f"{len(per_run)} finished runs of {len(args.arms) * len(args.seeds)} "
+              f"registered ({len(missing)} missing); {len(manifest)} attempts in the "
+              "manifest."), "",
+             (f"Primary endpoints. Collapse: final tool success < {COLLAPSE_BELOW}, count "
+              "[95 % Wilson interval], Fisher's exact test against GRPO-OR. Final answer "
+              "accuracy: mean [95 % t-interval], Mann-Whitney against GRPO-OR. Two-sided p, "
+              f"Holm-adjusted over the comparisons; significant if <= {ALPHA}."), "",
+             "| arm | runs | collapsed | p (Holm) | answer accuracy | p (Holm) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for arm in args.arms:
+        runs = [v for (a, _), v in sorted(per_run.items()) if a == arm]
+        if not runs:
+            continue
+        c = sum(r["tool_success"] < COLLAPSE_BELOW for r in runs)
+        rate, low, high = wilson(c, len(runs))
+        mean, lo, hi = t_interval([r["correct"] for r in runs])
+        p = {q: "—" if arm == BASELINE else f"{t['p'][arm]:.4f} ({t['holm'][arm]:.4f})"
+             for q, t in tests.items()}
+        lines.append(f"| {ARMS[arm][0]} | {len(runs)} | {c} = {rate:.2f} [{low:.2f}, "
+                     f"{high:.2f}] | {p['collapse']} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | "
+                     f"{p['accuracy']} |")
+    lines += ["", "Secondary endpoints, mean [95 % t-interval]:", "",
+              "| arm | " + " | ".join(SECONDARY.values()) + " |",
+              "|---|" + "---:|" * len(SECONDARY)]
+    for arm in args.arms:
+        runs = [v for (a, _), v in sorted(per_run.items()) if a == arm]
+        if runs:
+            lines.append(f"| {ARMS[arm][0]} | " + " | ".join(
+                "{:.3f} [{:.3f}, {:.3f}]".format(*t_interval([r[k] for r in runs]))
+                for k in SECONDARY) + " |")
+    if {"mt_grpo", "gigpo"} <= {arm for arm, _ in per_run}:
+        pair = primary_tests(per_run, ["mt_grpo"], baseline="gigpo")
+        lines += ["", ("Secondary, unadjusted: MT-GRPO against GiGPO, collapse (Fisher) "
+                       f"p = {pair['collapse']['p']['mt_grpo']:.4f}, answer accuracy "
+                       f"(Mann-Whitney) p = {pair['accuracy']['p']['mt_grpo']:.4f}.")]
+    lines += ["", ("Every run: final tool success / answer accuracy / direct answers / "
+                   "exact match / accuracy AUC."), "", "| arm | seed | values |", "|---|---:|---|"]
+    lines += [f"| {arm} | {seed} | " + " / ".join(f"{v[k]:.3f}" for k in
+              ["tool_success", "correct", "direct_answer", "exact_match", "auc"]) + " |"
+              for (arm, seed), v in sorted(per_run.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    lines += [f"| {arm} | {seed} | missing ({failures(manifest, arm, seed)} failed attempts) |"
+              for arm, seed in missing]
+    png = args.out.with_suffix(".png")
+    plot(args, sorted({arm for arm, _ in per_run}, key=list(ARMS).index), png)
+    lines += ["", f"![batch tool success and answer accuracy per step]({png.name})", ""]
+    return "\n".join(lines)
+
+
+def step_bands(curves: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Per step, over runs: mean and its 95 % t-interval (steps every run reached)."""
+    n = min(len(c) for c in curves)
+    rows = [t_interval([c[i] for c in curves]) for i in range(n)]
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+
+def plot(args: argparse.Namespace, arms: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for ax, key, label in zip(axes, ["env/tool_success", "env/correct"],
+                              ["tool success", "answer accuracy"]):
+        for arm in arms:
+            curves = [[m.get(key, 0.0) for m in ca.read_metrics(args.runs_dir / f"{arm}-seed{s}")]
+                      for s in args.seeds if is_finished(args.runs_dir, arm, s)]
+            mean, low, high = step_bands(curves)
+            steps = range(1, len(mean) + 1)
+            line, = ax.plot(steps, mean, label=f"{ARMS[arm][0]} ({len(curves)} runs)")
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel(f"batch {label} (mean, 95 % band)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "credit_assignment.yaml")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                        help="default: the registered arms (fewer only for smoke runs)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS,
+                        help="default: the registered seeds 0..31")
+    parser.add_argument("--steps", type=int, default=None, help="smoke runs only")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "confirmatory")
+    parser.add_argument("--lock", type=Path, default=None,
+                        help="a file locked (flock) around each run, e.g. /tmp/lachesis-heavy.lock")
+    parser.add_argument("--cell", nargs=2, metavar=("ARM", "SEED"),
+                        help="run this one cell again, from the study's warm start, into "
+                        "RUNS_DIR-cells/ARM-seedSEED")
+    parser.add_argument("--report", action="store_true",
+                        help="the registered tests, tables and plot from the finished runs")
+    parser.add_argument("--out", type=Path, default=None, help="default: RUNS_DIR.md")
+    args = parser.parse_args()
+    args.out = args.out or args.runs_dir.with_suffix(".md")
+    if args.report:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report(args))
+        print(args.out.read_text())
+        return 0
+    check_arms(args)
+    with held(args.lock):
+        model = ca.warm_start(args)
+    if args.cell:
+        arm, seed = args.cell[0], int(args.cell[1])
+        if arm not in ARMS:
+            parser.error(f"--cell: unknown arm {arm!r}; the arms are {', '.join(ARMS)}")
+        args.runs_dir = args.runs_dir.with_name(args.runs_dir.name + "-cells")
+        outcome = run_cell(args, model, arm, seed, evaluate_before=True)
+        print(f"{arm} seed {seed}: {outcome}; {args.runs_dir / f'{arm}-seed{seed}'}")
+        return 0 if outcome == "finished" else 1
+    print("python experiments/confirmatory.py " + shlex.join(sys.argv[1:]), flush=True)
+    while todo := pending(args.runs_dir, args.arms, args.seeds):
+        arm, seed = todo[0]
+        print(f"== {arm}, seed {seed} ({len(todo)} cells left)", flush=True)
+        # the starting policy is measured once, by the grid's first cell
+        first = (arm, seed) == (args.arms[0], args.seeds[0])
+        print(f"   {run_cell(args, model, arm, seed, evaluate_before=first)}", flush=True)
+    print("grid done; `python experiments/confirmatory.py --report` writes the report")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
