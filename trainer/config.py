@@ -48,9 +48,15 @@ class TrainConfig(BaseModel):
     steps: int = Field(default=100, ge=1)
     lease_poll_s: float = Field(default=0.5, gt=0)
     # advantages
-    estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg"] = "mt_grpo"
+    estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg", "gigpo"] = "mt_grpo"
+    """Advantage estimator (``trainer.advantages``; docs/training.md). ``gigpo`` needs no
+    turn scores: it compares turns that start from the same state (``turn_anchors``)."""
     turn_advantage_coef: float = 1.0
+    """MT-GRPO's lambda, turn_rtg's weight on intermediate rewards, GiGPO's omega."""
     gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount over turns (turn_rtg, gigpo; the GiGPO paper uses 0.95)."""
+    advantage_std_scaling: bool = True
+    """Divide group-centred rewards by the group's std; false: centred only (Dr. GRPO)."""
     zero_variance: Literal["zero", "drop"] = "zero"
     samples: Literal["sequence", "turn_prefix"] = "sequence"
     """Training rows: sequence (one per trajectory) or turn_prefix (one per turn).

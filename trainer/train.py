@@ -93,7 +93,7 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
             result = compute_group_advantages(
                 group.trajectories, config.estimator,
                 turn_advantage_coef=config.turn_advantage_coef, gamma=config.gamma,
-                zero_variance=config.zero_variance)
+                zero_variance=config.zero_variance, scale=config.advantage_std_scaling)
             group_rows, group_advantages = [], []
             for i, (t, a) in enumerate(zip(group.trajectories,
                                            result.advantages if result else [])):
