@@ -136,7 +136,7 @@ def test_cispo(seed):
     reference = sum(terms) / len(terms)
     loss, metrics = run(lp, p, mu, adv, mask, loss="cispo")
     check(loss, reference, lp)
-    ratios = [math.exp(float(lp[i, t] - p[i, t]))
+    ratios = [math.exp(float(lp[i, t].detach() - p[i, t]))
               for i in range(mask.shape[0]) for t in positions(mask, i)]
     clipped = sum(not 1 - EL <= r <= 1 + EH for r in ratios) / len(ratios)
     assert metrics["clip_fraction"] == pytest.approx(clipped)
