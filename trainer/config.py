@@ -73,6 +73,21 @@ class TrainConfig(BaseModel):
     trajectory
     (``trainer.batch.segment_samples``); with ``sequence_mean`` each segment weighs as a
     sequence."""
+    # DAPO's batch shaping (trainer.shaping)
+    dynamic_sampling: bool = False
+    """Set aside groups whose rewards are all equal and take more batches until
+    ``batch_size`` sequences have signal (whole groups beyond it are left out)."""
+    dynamic_sampling_max_batches: int = Field(default=4, ge=1)
+    """At most this many batches per step; then the step trains on what it has."""
+    overlong_buffer: int | None = Field(default=None, ge=1)
+    """DAPO's soft overlong penalty: the outcome loses up to 1, linearly over the last
+    ``overlong_buffer`` sampled tokens before ``overlong_max_tokens``, and 1 beyond (None:
+    off)."""
+    overlong_max_tokens: int | None = Field(default=None, ge=1)
+    """The penalty's limit on sampled tokens (None: ``max_token_length``)."""
+    overlong_mask_truncated: bool = False
+    """Leave truncated trajectories out of the loss (their rewards still count in their
+    group's statistics)."""
     # loss
     clip_low: float = Field(default=0.2, ge=0)
     clip_high: float = Field(default=0.2, ge=0)
@@ -164,6 +179,10 @@ class TrainConfig(BaseModel):
     def _mis_band(self) -> TrainConfig:
         if self.mis_low >= self.mis_high:
             raise ValueError(f"mis_low ({self.mis_low}) must be below mis_high ({self.mis_high})")
+        limit = self.overlong_max_tokens or self.max_token_length
+        if self.overlong_buffer is not None and self.overlong_buffer > limit:
+            raise ValueError(f"overlong_buffer ({self.overlong_buffer}) exceeds the limit "
+                             f"({limit}, overlong_max_tokens or max_token_length)")
         if self.mini_batches > self.batch_size:
             raise ValueError(f"mini_batches ({self.mini_batches}) exceeds batch_size "
                              f"({self.batch_size}): a mini-batch needs a sequence")

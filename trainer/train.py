@@ -62,6 +62,7 @@ from trainer.logprobs import (
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
 from trainer.metrics import Metrics, Progress
+from trainer.shaping import shape_rewards, trains_on, with_dynamic_sampling
 from trainer.sources import Batch, open_source
 from trainer.vllm_sync import PolicyServers
 
@@ -91,12 +92,14 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
         try:  # one bad group is set aside; the others train
             check_group(group, where, vocab_size=vocab_size, need_logprobs=True)
             result = compute_group_advantages(
-                group.trajectories, config.estimator,
+                shape_rewards(group.trajectories, config), config.estimator,
                 turn_advantage_coef=config.turn_advantage_coef, gamma=config.gamma,
                 zero_variance=config.zero_variance, scale=config.advantage_std_scaling)
             group_rows, group_advantages = [], []
             for i, (t, a) in enumerate(zip(group.trajectories,
                                            result.advantages if result else [])):
+                if not trains_on(t, config):
+                    continue
                 if config.samples == "turn_prefix":
                     rows, row_advantages = turn_prefix_samples(t, a, f"{where} sequence {i}")
                 elif t.segment_starts:
@@ -125,7 +128,7 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
              "groups": len(trained_groups), "groups_set_aside": len(batch.rejected),
              "groups_zero_variance": zero_variance, "groups_dropped": dropped,
              "rows": len(trajectories),
-             "row_tokens": sum(len(t.tokens) for t in trajectories),
+             "row_tokens": sum(len(t.tokens) for t in trajectories), **batch.stats,
              **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
     versions = [t.policy_version for g in trained_groups for t in g.trajectories
                 if t.policy_version is not None]
@@ -344,8 +347,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             "output embeddings are tied (measured on the CPU build): train a model with "
             "tie_word_embeddings=false, or sync by restarting vLLM")
 
-    source = await open_source(config, tokenizer, pad_id, rank=rank, world=world,
-                               position=position)
+    source = with_dynamic_sampling(await open_source(config, tokenizer, pad_id, rank=rank,
+                                                     world=world, position=position), config)
     servers = PolicyServers(config, run_dir, check_sync=config.check_sync and not sharded) \
         if serves and leader else None
     metrics = Metrics(run_dir, config.tensorboard, config.wandb,
