@@ -220,3 +220,57 @@ def test_the_clip_binds_from_the_second_mini_batch_on(loss):
         assert fractions[mini_batches]["optimizer_steps"] == mini_batches
         assert fractions[mini_batches]["clip_fraction_first"] == 0.0
         assert fractions[mini_batches]["clip_fraction_last"] > 0.0
+
+
+@pytest.fixture(scope="module")
+def arithmetic_rollouts(vllm_server, tmp_path_factory):
+    """The quickstart's task: 4 groups x 4 arithmetic_tool episodes sampled by vLLM."""
+    import asyncio
+
+    from environments.envs.arithmetic_tool import ArithmeticToolConfig, ArithmeticToolEnv
+
+    out = tmp_path_factory.mktemp("arith") / "groups.jsonl"
+    config = ArithmeticToolConfig(tokenizer=str(vllm_server.model_dir),
+                                  inference_servers=[vllm_server.url], group_size=4,
+                                  max_turns=2, max_tokens_per_turn=16, max_token_length=512,
+                                  keep_equal_score_groups=True)
+
+    async def collect():
+        env = ArithmeticToolEnv(config)
+        await env.start()
+        try:
+            await env.process(out, 4)
+        finally:
+            await env.close()
+
+    asyncio.run(collect())
+    return out
+
+
+@pytest.mark.parametrize("options", [
+    {"loss": "ppo_clip"},
+    {"loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "sequence_mean"},
+    {"loss": "gspo_token", "gspo_unit": "turn", "clip_low": 3e-4, "clip_high": 4e-4},
+    {"loss": "cispo", "clip_low": 10.0, "clip_high": 0.28, "mismatch": "mis_token"},
+    {"loss": "ppo_clip", "aggregation": "constant", "advantage_std_scaling": False,
+     "mismatch": "mis_sequence", "mis_low": 0.9, "mis_high": 1.1},
+    {"loss": "ppo_clip", "estimator": "gigpo", "gamma": 0.95, "overlong_buffer": 8,
+     "overlong_max_tokens": 24, "dynamic_sampling": True},
+], ids=["ppo_clip", "gspo", "gspo_token_turn", "cispo_mis", "dr_grpo_seq_mis", "gigpo_dapo"])
+def test_each_objective_trains_on_the_quickstart_task_without_nan(options, arithmetic_rollouts,
+                                                                 vllm_server, tmp_path):
+    """A few real steps (2 mini-batches x 2 epochs each) on episodes vLLM sampled."""
+    import asyncio
+    import json
+
+    from trainer.train import train
+
+    config = TrainConfig(model=str(vllm_server.model_dir), data=arithmetic_rollouts,
+                         run_dir=tmp_path / "run", batch_size=8, micro_batch_size=4, steps=3,
+                         lr=1e-3, mini_batches=2, epochs=2, tensorboard=False,
+                         checkpoint_every=100, **options)
+    summary = asyncio.run(train(config))
+    assert summary["last_step"] == 3
+    lines = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
+    assert all(math.isfinite(v) for m in lines for v in m.values() if isinstance(v, float))
+    assert all(m["optimizer_steps"] == 4 for m in lines if "optimizer_steps" in m)
