@@ -232,7 +232,7 @@ def arithmetic_rollouts(vllm_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("arith") / "groups.jsonl"
     config = ArithmeticToolConfig(tokenizer=str(vllm_server.model_dir),
                                   inference_servers=[vllm_server.url], group_size=4,
-                                  max_turns=2, max_tokens_per_turn=16, max_token_length=512,
+                                  max_turns=2, max_tokens_per_turn=16, max_token_length=1024,
                                   keep_equal_score_groups=True)
 
     async def collect():
