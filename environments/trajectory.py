@@ -73,6 +73,7 @@ def check_sequence(
     turn_spans: list[list[int]] | None = None,
     turn_policy_versions: list[int] | None = None,
     segment_starts: list[int] | None = None,
+    n_turn_anchors: int | None = None,
 ) -> None:
     """Check the shape rules of one sequence; raise :class:`TrajectoryError` on the first.
 
@@ -125,6 +126,12 @@ def check_sequence(
             raise TrajectoryError(
                 _name("turn_policy_versions", index),
                 f"{len(turn_policy_versions)} versions for {n_spans} turn spans")
+    if n_turn_anchors is not None:
+        n_spans = 0 if turn_spans is None else len(turn_spans)
+        if n_turn_anchors != n_spans:
+            raise TrajectoryError(_name("turn_anchors", index),
+                                  f"{n_turn_anchors} anchors for {n_spans} turn spans "
+                                  "(need one each)")
 
 
 def _check_segment_starts(index: int | None, n_tokens: int, segment_starts: list[int],
@@ -299,6 +306,12 @@ class ScoredTrajectory(BaseModel):
     predicts it). Scores, spans and advantages stay in whole-trajectory coordinates: the
     trajectory is one member of its group; the trainer trains each segment as its own
     row. ``None``: one context."""
+    turn_anchors: list[Annotated[str, Field(max_length=200)]] | None = None
+    """One key per assistant turn naming the state the turn starts from (the env's
+    ``turn_anchors`` hook; by default a hash of the observation before the turn). Turns of
+    a group with the same key start from the same state: GiGPO compares them
+    (``trainer.advantages.gigpo``). ``None``: no anchors (every turn gets GiGPO's episode
+    advantage only)."""
     flags: TrajectoryFlags = Field(default_factory=TrajectoryFlags)
     overrides: dict[str, Any] | None = None
     """Atropos per-sequence overrides, kept as they are."""
@@ -325,6 +338,7 @@ class ScoredTrajectory(BaseModel):
             turn_spans=self.turn_spans,
             turn_policy_versions=self.turn_policy_versions,
             segment_starts=self.segment_starts,
+            n_turn_anchors=_len(self.turn_anchors),
         )
         check_token_values(index, self.tokens, self.masks, self.segment_starts)
         for name in ("overrides", "metadata"):
@@ -451,6 +465,7 @@ class ScoredGroup(BaseModel):
             policy_versions=column("policy_version"),
             turn_policy_versions=column("turn_policy_versions"),
             segment_starts=column("segment_starts"),
+            turn_anchors=column("turn_anchors"),
             flags=None if all(f == default_flags for f in flags) else flags,
             trajectory_metadata=None if not any(metadata) else metadata,
             metadata=self.metadata or None,
@@ -479,6 +494,7 @@ class ScoredGroup(BaseModel):
                 policy_version=at(sd.policy_versions, i),
                 turn_policy_versions=at(sd.turn_policy_versions, i),
                 segment_starts=at(sd.segment_starts, i),
+                turn_anchors=at(sd.turn_anchors, i),
                 flags=at(sd.flags, i) or TrajectoryFlags(),
                 overrides=at(sd.overrides, i),
                 metadata=at(sd.trajectory_metadata, i) or {},
@@ -536,6 +552,7 @@ class ScoredData(BaseModel):
     policy_versions: list[Id | None] | None = None
     turn_policy_versions: list[list[Id] | None] | None = None
     segment_starts: list[list[int] | None] | None = None
+    turn_anchors: list[list[Annotated[str, Field(max_length=200)]] | None] | None = None
     flags: list[TrajectoryFlags] | None = None
     trajectory_metadata: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
@@ -554,6 +571,7 @@ class ScoredData(BaseModel):
                 turn_spans=self.turn_spans,
                 turn_policy_versions=self.turn_policy_versions,
                 segment_starts=self.segment_starts,
+                turn_anchors=self.turn_anchors,
                 per_sequence={"messages": self.messages, "overrides": self.overrides,
                               "policy_versions": self.policy_versions, "flags": self.flags,
                               "trajectory_metadata": self.trajectory_metadata,
@@ -608,6 +626,7 @@ def check_parallel_lists(
     turn_policy_versions: list | None,
     segment_starts: list | None,
     per_sequence: dict[str, list | None],
+    turn_anchors: list | None = None,
 ) -> None:
     """The data-contract rules for a group in parallel-list form, on lengths only.
 
@@ -621,7 +640,7 @@ def check_parallel_lists(
         "advantages": n_advantages, "ref_logprobs": n_ref_logprobs,
         "turn_scores": turn_scores, "turn_spans": turn_spans,
         "turn_policy_versions": turn_policy_versions, "segment_starts": segment_starts,
-        **per_sequence,
+        "turn_anchors": turn_anchors, **per_sequence,
     }
     for field, values in lists.items():
         if values is not None and len(values) != n:
@@ -644,6 +663,7 @@ def check_parallel_lists(
             turn_spans=at(turn_spans, i),
             turn_policy_versions=at(turn_policy_versions, i),
             segment_starts=at(segment_starts, i),
+            n_turn_anchors=_len(at(turn_anchors, i)),
         )
         if sequence_turn_scores is not None and scores[i] != sequence_turn_scores[-1]:
             raise TrajectoryError(

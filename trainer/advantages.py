@@ -30,6 +30,9 @@ The estimators
                 advantages on the turns before the final one.
 ``turn_rtg``    Lachesis's length-robust estimator: discounted return-to-go per turn with a
                 per-turn-index *state* baseline (see :func:`turn_rtg`).
+``gigpo``       GiGPO (arXiv 2505.10978): group-normalised episode return plus a step
+                advantage among turns that start from the same anchor state
+                (see :func:`gigpo`); needs only outcome rewards.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ def _all_equal(values: np.ndarray) -> bool:
 
 
 def group_zscore(x: Sequence[float] | np.ndarray, eps: float = EPS,
-                 ddof: int = DDOF) -> np.ndarray:
-    """Group z-score ``z_i = (x_i - mean(x)) / (std(x) + eps)``.
+                 ddof: int = DDOF, scale: bool = True) -> np.ndarray:
+    """Group z-score ``z_i = (x_i - mean(x)) / (std(x) + eps)``; with ``scale=False`` only
+    centred, ``x_i - mean(x)`` (Dr. GRPO, arXiv 2503.20783: no std scaling).
 
     ``std`` is ``sqrt(sum_i (x_i - mean)^2 / (n - ddof))``; the default ``ddof=1`` is the
     unbiased sample estimate that ``torch.std`` (and so the MT-GRPO reference code) uses.
@@ -72,6 +76,8 @@ def group_zscore(x: Sequence[float] | np.ndarray, eps: float = EPS,
         raise ValueError(f"group_zscore expects a 1-D array, got shape {values.shape}")
     if values.size < 2 or values.size <= ddof or _all_equal(values):
         return np.zeros_like(values)
+    if not scale:
+        return values - values.mean()
     return (values - values.mean()) / (values.std(ddof=ddof) + eps)
 
 
@@ -84,7 +90,8 @@ class TrajectoryRewards:
     being the outcome; ``score`` is the outcome (derived from ``turn_scores`` when left
     out). ``reached_tool_result=False`` forces MT-GRPO's single-turn fallback; ``None``
     infers it from the number of turns. ``advantages`` (one per token) overrides the
-    estimator for this trajectory.
+    estimator for this trajectory. ``turn_anchors`` (one key per turn span) name the state
+    each turn starts from (GiGPO).
     """
 
     n_tokens: int
@@ -93,6 +100,7 @@ class TrajectoryRewards:
     score: float | None = None
     reached_tool_result: bool | None = None
     advantages: Sequence[float] | None = None
+    turn_anchors: Sequence[str] | None = None
     spans: list[tuple[int, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +130,9 @@ class TrajectoryRewards:
         self.score = float(self.score)
         if not all(math.isfinite(v) for v in [self.score, *(self.turn_scores or [])]):
             raise ValueError("scores must be finite")
+        if self.turn_anchors is not None and len(self.turn_anchors) != len(self.spans):
+            raise ValueError(f"{len(self.turn_anchors)} turn anchors for {len(self.spans)} "
+                             "turn spans (need one each)")
         if self.advantages is not None and len(self.advantages) != self.n_tokens:
             raise ValueError(f"advantages: length {len(self.advantages)} does not match "
                              f"n_tokens ({self.n_tokens})")
@@ -171,6 +182,7 @@ def from_scored(traj: ScoredTrajectory) -> TrajectoryRewards:
         turn_scores=traj.turn_scores,
         score=traj.outcome,
         advantages=traj.advantages,
+        turn_anchors=traj.turn_anchors,
     )
 
 
@@ -200,34 +212,34 @@ def _padded(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _column_zscores(values: np.ndarray, present: np.ndarray, eps: float,
-                    ddof: int) -> np.ndarray:
+                    ddof: int, scale: bool = True) -> np.ndarray:
     """:func:`group_zscore` of each column over its present entries; 0 where absent."""
     out = np.zeros_like(values)
     for k in range(values.shape[1]):
         rows = present[:, k]
-        out[rows, k] = group_zscore(values[rows, k], eps, ddof)
+        out[rows, k] = group_zscore(values[rows, k], eps, ddof, scale)
     return out
 
 
 # -- estimators --------------------------------------------------------------------------
 
 def grpo(trajs: Sequence[TrajectoryRewards], *, eps: float = EPS, ddof: int = DDOF,
-         **_: Any) -> list[np.ndarray]:
+         scale: bool = True, **_: Any) -> list[np.ndarray]:
     """GRPO-OR: ``A_i = z(r)_i`` on every token, ``r_i`` = outcome of trajectory ``i``."""
-    z = group_zscore([t.outcome for t in trajs], eps, ddof)
+    z = group_zscore([t.outcome for t in trajs], eps, ddof, scale)
     return [_fill(t, a) for t, a in zip(trajs, z)]
 
 
 def grpo_merged(trajs: Sequence[TrajectoryRewards], *, eps: float = EPS, ddof: int = DDOF,
-                **_: Any) -> list[np.ndarray]:
+                scale: bool = True, **_: Any) -> list[np.ndarray]:
     """GRPO-MR: ``A_i = z(r)_i`` on every token, ``r_i = sum_k r_{i,k}`` (turn scores; the
     scalar score when there are none)."""
-    z = group_zscore([t.merged for t in trajs], eps, ddof)
+    z = group_zscore([t.merged for t in trajs], eps, ddof, scale)
     return [_fill(t, a) for t, a in zip(trajs, z)]
 
 
 def mt_grpo(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
-            eps: float = EPS, ddof: int = DDOF, **_: Any) -> list[np.ndarray]:
+            eps: float = EPS, ddof: int = DDOF, scale: bool = True, **_: Any) -> list[np.ndarray]:
     """MT-GRPO (Zeng et al., arXiv 2505.11821), generalised to any number of turns.
 
     For trajectory ``i`` with ``K_i`` turns and turn scores ``r_{i,0..K_i-1}``::
@@ -245,12 +257,12 @@ def mt_grpo(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 
     (so groups with mixed turn counts work; an index reached by one member gives 0).
     Tokens outside the spans of a split trajectory get 0.
     """
-    outcome_adv = group_zscore([t.outcome for t in trajs], eps, ddof)
-    merged_adv = group_zscore([t.merged for t in trajs], eps, ddof)
+    outcome_adv = group_zscore([t.outcome for t in trajs], eps, ddof, scale)
+    merged_adv = group_zscore([t.merged for t in trajs], eps, ddof, scale)
     # Intermediate (pre-final) turn scores of the members that are split into turns.
     intermediate = [np.asarray(t.turn_scores[:-1]) if t.has_turn_credit else np.zeros(0)
                     for t in trajs]  # type: ignore[index]
-    turn_adv = _column_zscores(*_padded(intermediate), eps, ddof)
+    turn_adv = _column_zscores(*_padded(intermediate), eps, ddof, scale)
     out = []
     for i, traj in enumerate(trajs):
         if not traj.has_turn_credit:
@@ -264,7 +276,7 @@ def mt_grpo(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 
 
 def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
              gamma: float = 1.0, eps: float = EPS, ddof: int = DDOF,
-             **_: Any) -> list[np.ndarray]:
+             scale: bool = True, **_: Any) -> list[np.ndarray]:
     """Turn-level return-to-go with a state baseline: unbiased when the policy picks the
     number of turns.
 
@@ -319,12 +331,7 @@ def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float =
     for traj in trajs:
         rewards = traj.turn_rewards.copy()
         rewards[:-1] *= turn_advantage_coef
-        g = np.empty_like(rewards)
-        running = 0.0
-        for k in range(len(rewards) - 1, -1, -1):
-            running = rewards[k] + gamma * running
-            g[k] = running
-        returns.append(g)
+        returns.append(discounted_returns(rewards, gamma))
     values, present = _padded(returns)
     centred = np.zeros_like(values)
     for k in range(values.shape[1]):
@@ -333,11 +340,60 @@ def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float =
         if not _all_equal(column):
             centred[rows, k] = column - column.mean()
     dof = int(present.sum()) - ddof * values.shape[1]
-    if dof <= 0 or not centred.any():
+    if not scale:
+        scaled = centred
+    elif dof <= 0 or not centred.any():
         scaled = np.zeros_like(centred)
     else:
         scaled = centred / (math.sqrt(float((centred ** 2).sum()) / dof) + eps)
     return [_fill_turns(traj, scaled[i, :traj.n_turns]) for i, traj in enumerate(trajs)]
+
+
+def discounted_returns(rewards: np.ndarray, gamma: float) -> np.ndarray:
+    """``G_k = sum_{j>=k} gamma^(j-k) r_j`` for every turn ``k``."""
+    g = np.empty_like(rewards, dtype=np.float64)
+    running = 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        running = rewards[k] + gamma * running
+        g[k] = running
+    return g
+
+
+def gigpo(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
+          gamma: float = 1.0, eps: float = EPS, ddof: int = DDOF, scale: bool = True,
+          **_: Any) -> list[np.ndarray]:
+    """GiGPO (Feng et al., arXiv 2505.10978): an episode advantage plus a step advantage
+    among the turns of the group that start from the same state.
+
+    For trajectory ``i`` with turn rewards ``r_{i,0..K_i-1}`` (its turn scores, or
+    ``[0, ..., 0, outcome]`` when it is scored as a whole) and turn anchors ``s_{i,k}``::
+
+        A^E_i     = z_group(sum_k r_{i,k})_i                      (episode return)
+        R_{i,k}   = sum_{j>=k} gamma^(j-k) r_{i,j}                (discounted return)
+        A^S_{i,k} = z over {(j, l) : s_{j,l} = s_{i,k}} of R_{j,l}   (anchor group)
+        A_{i,k}   = A^E_i + omega * A^S_{i,k}    on the tokens of turn k; 0 outside
+
+    with ``omega = turn_advantage_coef`` (paper: 1) and ``gamma`` (paper: 0.95). An anchor
+    group of one turn (a state no other turn of the group started from), or a trajectory
+    without anchors, gets ``A^S = 0``: the episode advantage only. Anchor groups may hold
+    several turns of the same trajectory (a state visited twice). The z-score is
+    :func:`group_zscore` (``scale=False``: centred only).
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    episode = group_zscore([float(t.turn_rewards.sum()) for t in trajs], eps, ddof, scale)
+    returns = [discounted_returns(t.turn_rewards, gamma) for t in trajs]
+    members: dict[str, list[tuple[int, int]]] = {}
+    for i, traj in enumerate(trajs):
+        for k, key in enumerate(traj.turn_anchors or []):
+            members.setdefault(key, []).append((i, k))
+    step = [np.zeros(t.n_turns) for t in trajs]
+    for turns in members.values():
+        z = group_zscore([returns[i][k] for i, k in turns], eps, ddof, scale)
+        for (i, k), value in zip(turns, z):
+            step[i][k] = value
+    return [_fill_turns(t, episode[i] + turn_advantage_coef * step[i])
+            for i, t in enumerate(trajs)]
 
 
 Estimator = Callable[..., list[np.ndarray]]
@@ -347,8 +403,9 @@ ESTIMATORS: dict[str, Estimator] = {
     "grpo_merged": grpo_merged,
     "mt_grpo": mt_grpo,
     "turn_rtg": turn_rtg,
+    "gigpo": gigpo,
 }
-"""Estimator name -> function ``(trajs, *, turn_advantage_coef, gamma, eps, ddof)``."""
+"""Estimator name -> function ``(trajs, *, turn_advantage_coef, gamma, eps, ddof, scale)``."""
 
 
 @dataclass
@@ -376,6 +433,7 @@ def compute_group_advantages(
     zero_variance: Literal["zero", "drop"] = "zero",
     eps: float = EPS,
     ddof: int = DDOF,
+    scale: bool = True,
 ) -> GroupAdvantages | None:
     """Per-token advantages of one group with the named estimator (see ``ESTIMATORS``).
 
@@ -383,7 +441,9 @@ def compute_group_advantages(
     ``advantages`` override the estimator for their trajectory. A zero-variance group
     gets all-zero advantages (``zero_variance="zero"``) or is dropped (``"drop"``:
     returns ``None``). ``turn_advantage_coef`` is MT-GRPO's lambda (and ``turn_rtg``'s
-    weight on intermediate turn rewards); ``gamma`` is ``turn_rtg``'s discount.
+    weight on intermediate turn rewards, and GiGPO's step weight omega); ``gamma`` is
+    ``turn_rtg``'s and GiGPO's discount. ``scale=False``: advantages are centred, not
+    divided by the std (Dr. GRPO).
     """
     try:
         fn = ESTIMATORS[estimator]
@@ -396,7 +456,7 @@ def compute_group_advantages(
         raise ValueError("a group needs at least one trajectory")
     rewards = [t if isinstance(t, TrajectoryRewards) else from_scored(t) for t in trajs]
     advantages = fn(rewards, turn_advantage_coef=turn_advantage_coef, gamma=gamma,
-                    eps=eps, ddof=ddof)
+                    eps=eps, ddof=ddof, scale=scale)
     overridden = [t.advantages is not None for t in rewards]
     for i, traj in enumerate(rewards):
         if traj.advantages is not None:

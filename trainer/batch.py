@@ -210,6 +210,9 @@ class TrainBatch:
     old_logprobs: torch.Tensor  # [B, T] float32, vLLM's; 0 where not trained
     advantages: torch.Tensor    # [B, T] float32; 0 where not trained
     lengths: torch.Tensor       # [B] long
+    proximal_logprobs: torch.Tensor | None = None
+    """[B, T] float32, the trainer's own logprobs at the start of the batch (pi_old of
+    several optimizer steps per batch); None: each step's own logprobs, detached."""
 
     @property
     def n_tokens(self) -> int:
@@ -218,23 +221,24 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> TrainBatch:
         return TrainBatch(self.tokens.to(device), self.mask.to(device),
                           self.old_logprobs.to(device), self.advantages.to(device),
-                          self.lengths.to(device))
+                          self.lengths.to(device),
+                          None if self.proximal_logprobs is None
+                          else self.proximal_logprobs.to(device))
+
+    def _rows(self, index: torch.Tensor | slice) -> TrainBatch:
+        lengths = self.lengths[index]
+        width = int(lengths.max()) if len(lengths) else 0
+        proximal = self.proximal_logprobs
+        return TrainBatch(self.tokens[index, :width], self.mask[index, :width],
+                          self.old_logprobs[index, :width], self.advantages[index, :width],
+                          lengths, None if proximal is None else proximal[index, :width])
 
     def select(self, rows: list[int]) -> TrainBatch:
         """The sequences ``rows`` (e.g. one data-parallel rank's share)."""
-        index = torch.tensor(rows, dtype=torch.long)
-        lengths = self.lengths[index]
-        width = int(lengths.max()) if len(lengths) else 0
-        return TrainBatch(self.tokens[index, :width], self.mask[index, :width],
-                          self.old_logprobs[index, :width], self.advantages[index, :width],
-                          lengths)
+        return self._rows(torch.tensor(rows, dtype=torch.long))
 
     def slice(self, rows: slice) -> TrainBatch:
-        lengths = self.lengths[rows]
-        width = int(lengths.max()) if len(lengths) else 0
-        return TrainBatch(self.tokens[rows, :width], self.mask[rows, :width],
-                          self.old_logprobs[rows, :width], self.advantages[rows, :width],
-                          lengths)
+        return self._rows(rows)
 
 
 def plan_micro_batches(lengths: Sequence[int], *, max_tokens: int | None = None,

@@ -48,9 +48,15 @@ class TrainConfig(BaseModel):
     steps: int = Field(default=100, ge=1)
     lease_poll_s: float = Field(default=0.5, gt=0)
     # advantages
-    estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg"] = "mt_grpo"
+    estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg", "gigpo"] = "mt_grpo"
+    """Advantage estimator (``trainer.advantages``; docs/training.md). ``gigpo`` needs no
+    turn scores: it compares turns that start from the same state (``turn_anchors``)."""
     turn_advantage_coef: float = 1.0
+    """MT-GRPO's lambda, turn_rtg's weight on intermediate rewards, GiGPO's omega."""
     gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount over turns (turn_rtg, gigpo; the GiGPO paper uses 0.95)."""
+    advantage_std_scaling: bool = True
+    """Divide group-centred rewards by the group's std; false: centred only (Dr. GRPO)."""
     zero_variance: Literal["zero", "drop"] = "zero"
     samples: Literal["sequence", "turn_prefix"] = "sequence"
     """Training rows: sequence (one per trajectory) or turn_prefix (one per turn).
@@ -67,6 +73,21 @@ class TrainConfig(BaseModel):
     trajectory
     (``trainer.batch.segment_samples``); with ``sequence_mean`` each segment weighs as a
     sequence."""
+    # DAPO's batch shaping (trainer.shaping)
+    dynamic_sampling: bool = False
+    """Set aside groups whose rewards are all equal and take more batches until
+    ``batch_size`` sequences have signal (whole groups beyond it are left out)."""
+    dynamic_sampling_max_batches: int = Field(default=4, ge=1)
+    """At most this many batches per step; then the step trains on what it has."""
+    overlong_buffer: int | None = Field(default=None, ge=1)
+    """DAPO's soft overlong penalty: the outcome loses up to 1, linearly over the last
+    ``overlong_buffer`` sampled tokens before ``overlong_max_tokens``, and 1 beyond (None:
+    off)."""
+    overlong_max_tokens: int | None = Field(default=None, ge=1)
+    """The penalty's limit on sampled tokens (None: ``max_token_length``)."""
+    overlong_mask_truncated: bool = False
+    """Leave truncated trajectories out of the loss (their rewards still count in their
+    group's statistics)."""
     # loss
     clip_low: float = Field(default=0.2, ge=0)
     clip_high: float = Field(default=0.2, ge=0)
@@ -74,7 +95,30 @@ class TrainConfig(BaseModel):
     """Truncated importance sampling cap for the trainer/vLLM mismatch (None: off)."""
     kl_coef: float = Field(default=0.0, ge=0)
     """KL to the frozen initial model (k3 estimator); 0 loads no reference model."""
-    aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    loss: Literal["ppo_clip", "gspo", "gspo_token", "cispo"] = "ppo_clip"
+    """Policy objective (``trainer.losses.OBJECTIVES``; docs/training.md): PPO's clipped
+    token ratio, GSPO's clipped sequence (or turn) ratio, GSPO-token, or CISPO's clipped,
+    detached importance weight. GSPO's paper clips at 3e-4 / 4e-4 (``clip_low`` /
+    ``clip_high``); CISPO's at a large ``clip_low`` and ``clip_high`` ~ 0.28."""
+    gspo_unit: Literal["sequence", "turn"] = "sequence"
+    """GSPO's ratio: one per sequence, or one per assistant turn (a run of trained tokens)."""
+    mismatch: Literal["tis", "mis_token", "mis_sequence", "none"] = "tis"
+    """Trainer/vLLM mismatch correction: ``tis`` weights tokens by ``min(p/mu, tis_cap)``;
+    ``mis_token`` masks tokens whose ``p/mu`` leaves ``[mis_low, mis_high]`` (IcePop);
+    ``mis_sequence`` drops rows whose geometric-mean ratio leaves it; ``none``."""
+    mis_low: float = Field(default=0.5, gt=0)
+    mis_high: float = Field(default=5.0, gt=0)
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """Loss normaliser: all trained tokens; each sequence's tokens, then sequences; or
+    ``constant`` (Dr. GRPO): the sum over tokens / (sequences * ``loss_constant``)."""
+    loss_constant: int | None = Field(default=None, ge=1)
+    """The ``constant`` normaliser's token count (None: ``max_token_length``)."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per epoch over a batch: its rows split into this many mini-batches.
+    With more than one step per batch, ``pi_old`` is the trainer's logprobs at the
+    batch's start (computed once), and vLLM's mismatch is corrected separately."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over each batch (each pass reshuffles the rows into mini-batches)."""
     # optimizer
     lr: float = Field(default=1e-5, gt=0)
     warmup_steps: int = Field(default=0, ge=0)
@@ -138,6 +182,19 @@ class TrainConfig(BaseModel):
     tensorboard: bool = True
     wandb: bool = False
     """Also log to Weights & Biases (project "lachesis") when the package is installed."""
+
+    @model_validator(mode="after")
+    def _mis_band(self) -> TrainConfig:
+        if self.mis_low >= self.mis_high:
+            raise ValueError(f"mis_low ({self.mis_low}) must be below mis_high ({self.mis_high})")
+        limit = self.overlong_max_tokens or self.max_token_length
+        if self.overlong_buffer is not None and self.overlong_buffer > limit:
+            raise ValueError(f"overlong_buffer ({self.overlong_buffer}) exceeds the limit "
+                             f"({limit}, overlong_max_tokens or max_token_length)")
+        if self.mini_batches > self.batch_size:
+            raise ValueError(f"mini_batches ({self.mini_batches}) exceeds batch_size "
+                             f"({self.batch_size}): a mini-batch needs a sequence")
+        return self
 
     @model_validator(mode="after")
     def _lora_needs_lora_sync(self) -> TrainConfig:

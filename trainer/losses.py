@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Aggregation = Literal["token_mean", "sequence_mean"]
+Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 
 _MAX_LOG_RATIO = 20.0
 """|log ratio| is clamped here before ``exp`` so a wild token cannot overflow the loss;
@@ -152,20 +152,162 @@ def _masked(values: Tensor, mask: Tensor, like: Tensor, name: str) -> Tensor:
                          f"{tuple(like.shape)}") from error
 
 
-def _aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation) -> Tensor:
+def _aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation,
+               constant: float | None = None) -> Tensor:
     """token_mean: ``sum_{b,t} l / sum_{b,t} m``; sequence_mean: ``mean_b (sum_t l / sum_t m)``
-    over the sequences with at least one trained token. An empty batch gives 0."""
+    over the sequences with at least one trained token; constant (Dr. GRPO):
+    ``sum_{b,t} l / (n_sequences * constant)`` with ``n_sequences`` those with a trained
+    token. An empty batch gives 0."""
     if aggregation == "token_mean":
         return per_token.sum() / mask.sum().clamp(min=1)
+    counts = mask.sum(dim=-1)
+    n_sequences = (counts > 0).sum().clamp(min=1)
     if aggregation == "sequence_mean":
-        counts = mask.sum(dim=-1)
         per_sequence = per_token.sum(dim=-1) / counts.clamp(min=1)
-        return per_sequence.sum() / (counts > 0).sum().clamp(min=1)
-    raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
+        return per_sequence.sum() / n_sequences
+    if aggregation == "constant":
+        if constant is None or constant <= 0:
+            raise ValueError(f"aggregation 'constant' needs a positive constant, got {constant}")
+        return per_token.sum() / (n_sequences * constant)
+    raise ValueError(f"aggregation must be 'token_mean', 'sequence_mean' or 'constant', "
+                     f"got {aggregation!r}")
 
 
 def _masked_mean(values: Tensor, mask: Tensor, n: int) -> float:
     return float(torch.where(mask, values, torch.zeros_like(values)).sum()) / max(n, 1)
+
+
+def _exp(log_ratio: Tensor) -> Tensor:
+    return torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+# -- units of GSPO's ratio ---------------------------------------------------------------
+
+def turn_units(mask: Tensor) -> Tensor:
+    """An id per trained token naming its assistant turn: each maximal run of trained
+    tokens of a row (the sampled tokens of one turn; tool results and prompts between
+    turns are masked) gets its own id, unique across the batch; -1 where not trained."""
+    starts = mask & ~torch.nn.functional.pad(mask[..., :-1], (1, 0), value=False)
+    ids = torch.cumsum(starts.flatten(), 0).view_as(mask) - 1
+    return torch.where(mask, ids, torch.full_like(ids, -1))
+
+
+def sequence_units(mask: Tensor) -> Tensor:
+    """Row index per trained token (-1 where not trained): one GSPO ratio per sequence."""
+    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1).expand_as(mask)
+    return torch.where(mask, rows, torch.full_like(rows, -1))
+
+
+def unit_mean(values: Tensor, units: Tensor, mask: Tensor) -> Tensor:
+    """Each trained token gets the mean of ``values`` over the trained tokens of its unit
+    (differentiable); 0 where not trained."""
+    n = int(units.max()) + 1 if bool(mask.any()) else 0
+    flat_mask = mask.flatten()
+    index = units.flatten()[flat_mask]
+    picked = values.flatten()[flat_mask]
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, index, picked)
+    counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(
+        0, index, torch.ones_like(picked))
+    index = units.clamp(min=0).flatten()
+    means = (sums / counts.clamp(min=1))[index].view_as(values)
+    return torch.where(mask, means, torch.zeros_like(values))
+
+
+UNITS = {"sequence": sequence_units, "turn": turn_units}
+
+
+# -- policy objectives: per-token loss from the log ratio against pi_old -----------------
+# Each returns (per-token loss before the mismatch weight, ratio, clipped-token mask).
+
+def ppo_clip(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *,
+             clip_low: float, clip_high: float, **_) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO / GRPO / DAPO: ``-min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)``."""
+    ratio = _exp(log_ratio)
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    return loss, ratio, _clipped(ratio, adv, clip_low, clip_high)
+
+
+def gspo(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *,
+         clip_low: float, clip_high: float, units: Tensor, **_) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO (arXiv 2507.18071): one ratio per unit (sequence, or turn),
+    ``s = exp(mean_{t in unit} log r_t)``, clipped like PPO:
+    ``-min(s A_t, clip(s, 1 - eps_low, 1 + eps_high) A_t)`` on each of its tokens (with
+    ``sequence_mean`` and a sequence's constant advantage, exactly the paper's objective);
+    the gradient reaches each token through the mean, ``s / |unit|``."""
+    ratio = _exp(unit_mean(log_ratio, units, mask))
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    return loss, ratio, _clipped(ratio, adv, clip_low, clip_high)
+
+
+def gspo_token(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *,
+               clip_low: float, clip_high: float, units: Tensor,
+               **_) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO-token: ``s_t = sg(s) * pi(y_t) / sg(pi(y_t))``: the value of GSPO's unit ratio
+    ``s``, with the gradient ``s * grad log pi(y_t)`` flowing per token (per-token
+    advantages allowed), clipped as GSPO."""
+    s = _exp(unit_mean(log_ratio, units, mask)).detach()
+    ratio = s * torch.exp(logprobs - logprobs.detach())
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    return loss, ratio, _clipped(ratio, adv, clip_low, clip_high)
+
+
+def cispo(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *,
+          clip_low: float, clip_high: float, **_) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): ``-sg(clip(r_t, 1 - eps_low, 1 + eps_high))
+    A_t log pi(y_t)``: the importance weight is clipped and detached, every token keeps a
+    gradient. The clip fraction counts tokens whose weight was clipped."""
+    ratio = _exp(log_ratio)
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+    return -weight * adv * logprobs, ratio, clipped
+
+
+def _clipped(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """Tokens where PPO's clipped term is the one taken (no gradient)."""
+    return ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
+
+
+OBJECTIVES = {"ppo_clip": ppo_clip, "gspo": gspo, "gspo_token": gspo_token, "cispo": cispo}
+"""``loss`` name -> objective ``(logprobs, log_ratio, adv, mask, *, clip_low, clip_high,
+units) -> (per-token loss, ratio, clipped)``."""
+
+
+# -- train/inference mismatch: a detached weight per token from p (trainer) vs mu (vLLM) --
+
+def tis(log_ratio: Tensor, mask: Tensor, *, tis_cap: float | None, **_) -> Tensor:
+    """Truncated importance sampling: ``min(p / mu, C)`` (``C = tis_cap``; None: 1)."""
+    if tis_cap is None:
+        return torch.ones_like(log_ratio)
+    return _exp(log_ratio).clamp(max=tis_cap)
+
+
+def mis_token(log_ratio: Tensor, mask: Tensor, *, mis_low: float, mis_high: float,
+              **_) -> Tensor:
+    """Token masked importance sampling (IcePop): ``p / mu`` where it lies in
+    ``[lo, hi]``, 0 (the token is masked) where it leaves the band."""
+    ratio = _exp(log_ratio)
+    return torch.where((ratio >= mis_low) & (ratio <= mis_high), ratio, torch.zeros_like(ratio))
+
+
+def mis_sequence(log_ratio: Tensor, mask: Tensor, *, mis_low: float, mis_high: float,
+                 **_) -> Tensor:
+    """Sequence masked importance sampling: the row's geometric-mean ratio
+    ``g = exp(mean_t log(p_t / mu_t))`` on each of its tokens where it lies in
+    ``[lo, hi]``; 0 on the whole row (dropped) where it leaves the band."""
+    g = _exp(unit_mean(log_ratio, sequence_units(mask), mask))
+    return torch.where((g >= mis_low) & (g <= mis_high), g, torch.zeros_like(g))
+
+
+def no_correction(log_ratio: Tensor, mask: Tensor, **_) -> Tensor:
+    return torch.ones_like(log_ratio)
+
+
+MISMATCH = {"tis": tis, "mis_token": mis_token, "mis_sequence": mis_sequence,
+            "none": no_correction}
+"""``mismatch`` name -> weight ``(log(p / mu), mask, *, tis_cap, mis_low, mis_high)``."""
+
+Objective = Literal["ppo_clip", "gspo", "gspo_token", "cispo"]
+Mismatch = Literal["tis", "mis_token", "mis_sequence", "none"]
 
 
 def policy_loss(
@@ -181,60 +323,80 @@ def policy_loss(
     aggregation: Aggregation = "token_mean",
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    loss: Objective = "ppo_clip",
+    mismatch: Mismatch = "tis",
+    mis_low: float = 0.5,
+    mis_high: float = 5.0,
+    gspo_unit: Literal["sequence", "turn"] = "sequence",
+    constant: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped PPO/GRPO surrogate with truncated importance sampling and a k3 KL penalty.
+    """The policy-gradient loss: an objective (``loss``), a train/inference mismatch
+    correction (``mismatch``), a k3 KL penalty and a normaliser (``aggregation``).
 
     Inputs are ``[B, T]``, aligned per token (module docstring): ``logprobs`` (with grad)
     under the policy being trained; ``old_logprobs`` from the behaviour policy that
     sampled the tokens (vLLM's ``inference_logprobs``); ``advantages`` per token (``[B]``
     broadcasts); ``mask`` bool. Per trained token, with ``mu`` the behaviour logprob::
 
-        without trainer_old_logprobs:  rho = exp(logprobs - mu),              w = 1
-        with trainer_old_logprobs p:   rho = exp(logprobs - p),
-                                       w = min(exp(p - mu), tis_cap)          (detached)
-        l_t = -w * min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)
+        without trainer_old_logprobs:  log r = logprobs - mu,              w = 1
+        with trainer_old_logprobs p:   log r = logprobs - p,
+                                       w = mismatch(p - mu)                (detached)
+        l_t = w * objective(log r, A)_t
               + kl_coef * (exp(ref - logprobs) - (ref - logprobs) - 1)
 
-    ``p`` are the trainer's own logprobs of the tokens under the weights that sampled them
-    (no grad). vLLM and the trainer compute slightly different probabilities for the same
-    weights, so the tokens are off-policy for the trainer's ``pi_old``; the PPO ratio is
-    then taken against the trainer's ``pi_old`` and the mismatch is corrected by the
-    truncated importance weight ``w`` (TIS, Yao et al., "Your efficient RL framework
-    secretly brings you off-policy RL training", 2025). ``tis_cap=None`` switches the
-    weight off (``w = 1``). The last term is the k3 estimator of ``KL(pi || pi_ref)``
-    (always >= 0), added when ``ref_logprobs`` are given and ``kl_coef != 0``.
+    ``p`` are the trainer's own logprobs of the tokens under ``pi_old`` (no grad): the
+    weights that sampled them, or, with several optimizer steps per batch, the weights at
+    the start of the batch (decoupled PPO). vLLM and the trainer compute slightly
+    different probabilities for the same weights, so the ratio is taken against the
+    trainer's ``pi_old`` and the mismatch is corrected by ``w`` (:data:`MISMATCH`: ``tis``
+    truncates ``p/mu`` at ``tis_cap`` (None: ``w = 1``), ``mis_token`` / ``mis_sequence``
+    mask tokens / rows whose ratio leaves ``[mis_low, mis_high]``). Objectives
+    (:data:`OBJECTIVES`): ``ppo_clip``, ``gspo`` and ``gspo_token`` (ratio per
+    ``gspo_unit``: sequence, or assistant turn), ``cispo``. The last term is the k3
+    estimator of ``KL(pi || pi_ref)`` (always >= 0), added when ``ref_logprobs`` are given
+    and ``kl_coef != 0``.
 
     Aggregation: ``"token_mean"`` = sum of ``l_t`` over all trained tokens of the batch /
     their number; ``"sequence_mean"`` = mean over each sequence's trained tokens, then
-    mean over the sequences that have any. Masked positions contribute nothing and get
-    exactly zero gradient.
+    mean over the sequences that have any; ``"constant"`` = sum over all trained tokens /
+    (number of sequences * ``constant``) (Dr. GRPO). Masked positions contribute nothing
+    and get exactly zero gradient; tokens the mismatch correction masks still count in
+    the normaliser.
 
     Returns ``(loss, metrics)``; metrics are floats over the trained tokens:
-    ``clip_fraction`` (tokens where the clipped term is the one taken), ``approx_kl``
+    ``clip_fraction`` (tokens where the objective clipped), ``approx_kl``
     (k3 estimate of KL(behaviour || current): mean of ``rho_b - 1 - log rho_b`` with
-    ``rho_b = exp(logprobs - mu)``), ``ratio_mean``/``ratio_max`` (of ``rho``),
-    ``tis_weight_mean`` and ``tis_capped_fraction``, ``kl`` (k3 to the reference, when
-    given) and ``n_tokens``.
+    ``rho_b = exp(logprobs - mu)``), ``ratio_mean``/``ratio_max`` (of the objective's
+    ratio), ``tis_weight_mean`` (of ``w``) and ``tis_capped_fraction``,
+    ``mismatch_masked_fraction`` (tokens ``w`` masked), ``mismatch_kl`` (k3 estimate of
+    KL(vLLM || trainer pi_old)), ``kl`` (k3 to the reference, when given) and
+    ``n_tokens``.
     """
     _check_mask(mask, logprobs)
+    try:
+        objective, correction, units_of = OBJECTIVES[loss], MISMATCH[mismatch], UNITS[gspo_unit]
+    except KeyError as error:
+        raise ValueError(f"unknown loss, mismatch or gspo_unit {error}; expected loss in "
+                         f"{list(OBJECTIVES)}, mismatch in {list(MISMATCH)}, gspo_unit in "
+                         f"{list(UNITS)}") from None
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     current = torch.where(mask, logprobs, zero)
     behaviour = _masked(old_logprobs, mask, current, "old_logprobs")
     adv = _masked(advantages, mask, current, "advantages")
-    tis = torch.ones_like(current)
-    raw_tis = None
+    weight = torch.ones_like(current)
+    mismatch_log_ratio = None
     if trainer_old_logprobs is not None:
         proximal = _masked(trainer_old_logprobs, mask, current, "trainer_old_logprobs")
         log_ratio = current - proximal
-        if tis_cap is not None:
-            raw_tis = torch.exp((proximal - behaviour).clamp(max=_MAX_LOG_RATIO))
-            tis = raw_tis.clamp(max=tis_cap)
+        mismatch_log_ratio = proximal - behaviour
+        weight = correction(mismatch_log_ratio, mask, tis_cap=tis_cap, mis_low=mis_low,
+                            mis_high=mis_high).detach()
     else:
         log_ratio = current - behaviour
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped) * tis
+    per_token, ratio, is_clipped = objective(
+        current, log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high,
+        units=units_of(mask) if loss in ("gspo", "gspo_token") else None)
+    per_token = per_token * weight
     kl = None
     if ref_logprobs is not None:
         ref = _masked(ref_logprobs, mask, current, "ref_logprobs")
@@ -243,28 +405,34 @@ def policy_loss(
         if kl_coef != 0.0:
             per_token = per_token + kl_coef * kl
     per_token = torch.where(mask, per_token, zero)
-    loss = _aggregate(per_token, mask, aggregation)
+    total = _aggregate(per_token, mask, aggregation, constant)
 
     with torch.no_grad():
         n = int(mask.sum())
-        is_clipped = (((adv > 0) & (ratio > 1.0 + clip_high))
-                      | ((adv < 0) & (ratio < 1.0 - clip_low)))
         behaviour_log_ratio = (current - behaviour).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         k3_behaviour = torch.exp(behaviour_log_ratio) - 1.0 - behaviour_log_ratio
         metrics = {
             "clip_fraction": _masked_mean(is_clipped.to(current.dtype), mask, n),
             "approx_kl": _masked_mean(k3_behaviour, mask, n),
-            "ratio_mean": _masked_mean(ratio, mask, n),
-            "ratio_max": float(ratio[mask].max()) if n else 0.0,
-            "tis_weight_mean": _masked_mean(tis, mask, n) if n else 1.0,
-            "tis_capped_fraction": (
-                _masked_mean((raw_tis > tis_cap).to(current.dtype), mask, n)
-                if raw_tis is not None else 0.0),
+            "ratio_mean": _masked_mean(ratio.detach(), mask, n),
+            "ratio_max": float(ratio.detach()[mask].max()) if n else 0.0,
+            "tis_weight_mean": _masked_mean(weight, mask, n) if n else 1.0,
+            "tis_capped_fraction": 0.0,
+            "mismatch_masked_fraction": 0.0,
+            "mismatch_kl": 0.0,
             "n_tokens": float(n),
         }
+        if mismatch_log_ratio is not None:
+            d = mismatch_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+            metrics["mismatch_kl"] = _masked_mean(torch.exp(d) - 1.0 - d, mask, n)
+            if mismatch == "tis" and tis_cap is not None:
+                metrics["tis_capped_fraction"] = _masked_mean(
+                    (torch.exp(d) > tis_cap).to(current.dtype), mask, n)
+            metrics["mismatch_masked_fraction"] = _masked_mean(
+                (weight == 0).to(current.dtype), mask, n)
         if kl is not None:
             metrics["kl"] = _masked_mean(kl, mask, n)
-    return loss, metrics
+    return total, metrics
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor) -> Tensor:

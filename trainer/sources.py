@@ -39,6 +39,8 @@ class Batch:
     """Groups set aside (they cannot be trained on); acknowledged as dead letters."""
     tensors: TrainBatch | None = None
     """Ready-made training tensors (SFT), instead of groups."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Metrics of how the batch was made (e.g. dynamic sampling), logged with the step."""
 
 
 class BatchSource(Protocol):

@@ -62,6 +62,7 @@ from trainer.logprobs import (
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
 from trainer.metrics import Metrics, Progress
+from trainer.shaping import shape_rewards, trains_on, with_dynamic_sampling
 from trainer.sources import Batch, open_source
 from trainer.vllm_sync import PolicyServers, sharded_sync_check
 
@@ -91,12 +92,14 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
         try:  # one bad group is set aside; the others train
             check_group(group, where, vocab_size=vocab_size, need_logprobs=True)
             result = compute_group_advantages(
-                group.trajectories, config.estimator,
+                shape_rewards(group.trajectories, config), config.estimator,
                 turn_advantage_coef=config.turn_advantage_coef, gamma=config.gamma,
-                zero_variance=config.zero_variance)
+                zero_variance=config.zero_variance, scale=config.advantage_std_scaling)
             group_rows, group_advantages = [], []
             for i, (t, a) in enumerate(zip(group.trajectories,
                                            result.advantages if result else [])):
+                if not trains_on(t, config):
+                    continue
                 if config.samples == "turn_prefix":
                     rows, row_advantages = turn_prefix_samples(t, a, f"{where} sequence {i}")
                 elif t.segment_starts:
@@ -125,7 +128,7 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
              "groups": len(trained_groups), "groups_set_aside": len(batch.rejected),
              "groups_zero_variance": zero_variance, "groups_dropped": dropped,
              "rows": len(trajectories),
-             "row_tokens": sum(len(t.tokens) for t in trajectories),
+             "row_tokens": sum(len(t.tokens) for t in trajectories), **batch.stats,
              **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
     versions = [t.policy_version for g in trained_groups for t in g.trajectories
                 if t.policy_version is not None]
@@ -152,18 +155,25 @@ def batch_logprobs(model: torch.nn.Module, mb: TrainBatch, config: TrainConfig) 
                              chunk_size=config.logprob_chunk_size, where=mb.mask)
 
 
-def alignment_check(model: torch.nn.Module, batch: TrainBatch, config: TrainConfig) -> float:
-    """Mean |trainer logprob - vLLM logprob| over the trained tokens of ``batch``, computed
-    the way training computes them (micro-batches, packing, chunking)."""
-    total, count = 0.0, 0
+def trainer_logprobs(model: torch.nn.Module, batch: TrainBatch,
+                     config: TrainConfig) -> torch.Tensor:
+    """The model's logprobs of ``batch``'s tokens (``[B, T]`` on the CPU, 0 where not
+    trained), without grad, computed the way training computes them (micro-batches,
+    packing, chunking)."""
+    out = torch.zeros_like(batch.old_logprobs)
     with torch.no_grad():
         for rows in micro_batches(batch, config):
             mb = batch.select(rows).to(model.device)
-            logprobs = batch_logprobs(model, mb, config)
-            diff = (logprobs.float() - mb.old_logprobs).abs()[mb.mask]
-            total += float(diff.sum())
-            count += int(mb.mask.sum())
-    return total / max(1, count)
+            logprobs = batch_logprobs(model, mb, config).float().cpu()
+            out[rows, :logprobs.shape[1]] = torch.where(mb.mask.cpu(), logprobs, 0.0)
+    return out
+
+
+def alignment_check(model: torch.nn.Module, batch: TrainBatch, config: TrainConfig) -> float:
+    """Mean |trainer logprob - vLLM logprob| over the trained tokens of ``batch``, computed
+    the way training computes them (micro-batches, packing, chunking)."""
+    diff = (trainer_logprobs(model, batch, config) - batch.old_logprobs).abs()[batch.mask]
+    return float(diff.sum()) / max(1, int(batch.mask.sum()))
 
 
 def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
@@ -209,13 +219,18 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
             if ref_model is not None:
                 with torch.no_grad():
                     ref = batch_logprobs(ref_model, mb, config)
+            proximal = logprobs.detach() if mb.proximal_logprobs is None \
+                else mb.proximal_logprobs
             loss, metrics = policy_loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.mask,
                 clip_low=config.clip_low, clip_high=config.clip_high, tis_cap=config.tis_cap,
-                trainer_old_logprobs=logprobs.detach(), aggregation=config.aggregation,
-                ref_logprobs=ref, kl_coef=config.kl_coef)
+                trainer_old_logprobs=proximal, aggregation=config.aggregation,
+                ref_logprobs=ref, kl_coef=config.kl_coef, loss=config.loss,
+                mismatch=config.mismatch, mis_low=config.mis_low, mis_high=config.mis_high,
+                gspo_unit=config.gspo_unit,
+                constant=config.loss_constant or config.max_token_length)
         # Weight each micro-batch so the accumulated gradient is the batch's mean.
-        if config.aggregation == "sequence_mean" and config.mode == "rl":
+        if config.aggregation != "token_mean" and config.mode == "rl":
             weight = int((mb.mask.sum(1) > 0).sum()) / max(1, n_sequences)
         else:
             weight = mb_tokens / n_tokens
@@ -247,6 +262,33 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
         totals["grad_norm"] = float(norm)
     optimizer.step()
     totals["trained_tokens"] = n_tokens
+    return totals
+
+
+def train_steps(model, optimizer, batch: TrainBatch, config: TrainConfig,
+                **kwargs: Any) -> dict[str, float]:
+    """``epochs`` passes over ``batch``, each cut into ``mini_batches`` optimizer steps
+    (rows shuffled per pass). With more than one step, ``pi_old`` is the trainer's own
+    logprobs of the batch before the first step (:func:`trainer_logprobs`, once), so the
+    ratio moves away from 1 and the clip binds from the second step on; the vLLM mismatch
+    is corrected separately against them (decoupled PPO). Metrics are the steps' means;
+    ``clip_fraction_first``, ``clip_fraction_last`` and ``optimizer_steps`` are added."""
+    if config.mini_batches * config.epochs == 1 or config.mode != "rl":
+        return train_step(model, optimizer, batch, config, **kwargs)
+    batch.proximal_logprobs = trainer_logprobs(model.eval(), batch, config)
+    rows = len(batch.lengths)
+    generator = torch.Generator().manual_seed(config.seed + rows)
+    steps: list[dict[str, float]] = []
+    for _ in range(config.epochs):
+        order = torch.randperm(rows, generator=generator).tolist()
+        for part in np.array_split(order, min(config.mini_batches, rows)):
+            steps.append(train_step(model, optimizer, batch.select(sorted(part.tolist())),
+                                    config, **kwargs))
+    totals = {k: float(np.mean([s[k] for s in steps if k in s])) for k in steps[0]}
+    totals["trained_tokens"] = float(sum(s["trained_tokens"] for s in steps))
+    totals["clip_fraction_first"] = steps[0].get("clip_fraction", 0.0)
+    totals["clip_fraction_last"] = steps[-1].get("clip_fraction", 0.0)
+    totals["optimizer_steps"] = float(len(steps))
     return totals
 
 
@@ -300,8 +342,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             shard_model(ref_model)
     serves = bool(config.vllm_urls or config.vllm_launch) and rl
 
-    source = await open_source(config, tokenizer, pad_id, rank=rank, world=world,
-                               position=position)
+    source = with_dynamic_sampling(await open_source(config, tokenizer, pad_id, rank=rank,
+                                                     world=world, position=position), config)
     # The post-sync check runs inside publish(), or, when the model is sharded, on every
     # rank after it (the trainer's side of it is a forward pass: a collective).
     servers = PolicyServers(config, run_dir, check_sync=config.check_sync and not sharded) \
@@ -343,8 +385,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     group["lr"] = config.lr * min(1.0, (step + 1) / warmup)
                 values["lr"] = optimizer.param_groups[0]["lr"]
             if tensors is not None:
-                values.update(train_step(model, optimizer, tensors, config, ref_model=ref_model,
-                                         rank=rank, world=world, sharded=sharded))
+                values.update(train_steps(model, optimizer, tensors, config, ref_model=ref_model,
+                                          rank=rank, world=world, sharded=sharded))
             version = step + 1
             syncs = serves and (version % config.sync_every == 0 or version == config.steps)
             checkpoints = version % config.checkpoint_every == 0 or version == config.steps

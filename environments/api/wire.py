@@ -76,6 +76,7 @@ class _Group(msgspec.Struct):
     policy_versions: list[_Id | None] | None = None
     turn_policy_versions: list[list[_Id] | None] | None = None
     segment_starts: list[list[int] | None] | None = None
+    turn_anchors: list[list[Annotated[str, msgspec.Meta(max_length=200)]] | None] | None = None
     flags: list[dict[str, Any]] | None = None
     trajectory_metadata: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
@@ -263,6 +264,7 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
             turn_spans=group.turn_spans,
             turn_policy_versions=group.turn_policy_versions,
             segment_starts=group.segment_starts,
+            turn_anchors=group.turn_anchors,
             per_sequence={"messages": get("messages"), "overrides": get("overrides"),
                           "policy_versions": group.policy_versions, "flags": group.flags,
                           "trajectory_metadata": group.trajectory_metadata,

@@ -20,7 +20,9 @@ outcome). Each turn earns what it did right, not its format:
 Difficulty: ``n_operands`` numbers in ``[0, max_operand]`` joined by ``operators``. With
 ``easy_fraction`` > 0 that share of items is easy instead: ``a + b`` with both in
 ``[0, easy_max_operand]``, a sum small enough to learn by heart, so the outcome can be
-earned without the tool. ``oracle_direct_fraction`` makes that share of the easy items'
+earned without the tool. ``outcome_only`` scores the outcome alone (a float per episode,
+no turn rewards: the setting of envs that only score the outcome, for GiGPO and GRPO-OR).
+``oracle_direct_fraction`` makes that share of the easy items'
 demonstrations answer at once, without the calculator (a warm start that sometimes skips
 the tool). A direct answer is one turn: its only reward is the outcome.
 """
@@ -117,6 +119,10 @@ class ArithmeticToolConfig(EnvConfig):
     easy_max_operand: int = Field(default=9, ge=1)
     oracle_direct_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     """Share of the easy items whose demonstration answers directly, without the tool."""
+    outcome_only: bool = False
+    """Score only the outcome: one float per episode (the last turn's score), no turn
+    rewards. For estimators that need no per-turn scores (``grpo``, ``gigpo``); the
+    ``tool_success``/``right_expression`` metrics are still reported."""
     oracle_slip_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     """Share of the demonstrations whose calculator call has a slip: one digit of one
     operand mistyped; the tool result and the answer then follow the mistyped expression
@@ -228,6 +234,13 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
             "exact_match": float(outcome == 1.0),
             "direct_answer": float(calls == 0 and outcome > 0.0),
         }
+
+    def scores_each_turn(self) -> bool:
+        return not self.config.outcome_only
+
+    def compute_reward(self, item: dict[str, Any], rollout: Rollout) -> float:
+        """With ``outcome_only``: the last turn's score of :meth:`compute_turn_rewards`."""
+        return self.compute_turn_rewards(item, rollout)[-1]
 
     def compute_turn_rewards(self, item: dict[str, Any], rollout: Rollout) -> list[float]:
         rewards = [float(self.right_call(item, turn)) for turn in rollout.turns[:-1]]

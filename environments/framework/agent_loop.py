@@ -18,6 +18,8 @@ counted in ``tool_errors``; so is a malformed tool-call block.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from typing import Any, Callable
 
 from environments.framework.tools import Tool, ToolError
@@ -159,3 +161,24 @@ def describe_turns(state: Rollout) -> list[dict[str, Any]]:
              "tool_errors": t.tool_errors, "policy_version": t.policy_version}
             for t in state.turns]
 
+
+
+def observation_anchors(messages: list[dict[str, Any]], n_turns: int) -> list[str] | None:
+    """One key per assistant turn: a hash of the observation that precedes it, i.e. the
+    run of non-assistant messages (tool results, user or system messages) just before the
+    turn's assistant message, by role, name and content. Two turns with the same key start
+    from the same observed state (GiGPO's anchor states). ``None`` when the messages do
+    not hold one assistant message per turn (a rebuilt context), or a turn follows another
+    assistant message with nothing observed in between."""
+    keys, observation = [], []
+    for message in messages:
+        if message.get("role") != "assistant":
+            observation.append([message.get("role"), message.get("name"),
+                                message.get("content")])
+            continue
+        if not observation:
+            return None
+        text = json.dumps(observation, sort_keys=True, default=str)
+        keys.append(hashlib.sha256(text.encode()).hexdigest()[:16])
+        observation = []
+    return keys if len(keys) == n_turns else None

@@ -49,7 +49,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from environments.framework import runner
-from environments.framework.agent_loop import describe_turns, run_agent_loop
+from environments.framework.agent_loop import (
+    describe_turns,
+    observation_anchors,
+    run_agent_loop,
+)
 from environments.framework.rewards import (
     RewardFunction,
     combine_rewards,
@@ -489,6 +493,15 @@ class BaseEnv:
         the trainer. Override to report an env's own measures."""
         return {}
 
+    def turn_anchors(self, item: Any, rollout: Rollout) -> list[str] | None:
+        """One key per assistant turn naming the state the turn starts from; turns of a
+        group with the same key are compared by GiGPO (``estimator: gigpo``). Default: a
+        hash of the observation before each turn (the tool results or user message since
+        the previous assistant turn; the prompt for the first), from ``rollout.messages``
+        (:func:`~environments.framework.agent_loop.observation_anchors`). Override when the
+        env knows its state better (e.g. a board position); return ``None`` for none."""
+        return observation_anchors(rollout.messages, len(rollout.turns))
+
     def to_trajectory(self, item: Any, rollout: Rollout,
                       scores: float | list[float]) -> ScoredTrajectory:
         versions = [t.policy_version for t in rollout.turns]
@@ -498,6 +511,7 @@ class BaseEnv:
             inference_logprobs=rollout.logprobs if rollout.trainable else None,
             turn_spans=[list(t.span) for t in rollout.turns],
             segment_starts=rollout.segment_starts or None,
+            turn_anchors=self.turn_anchors(item, rollout) if rollout.turns else None,
             messages=rollout.messages,
             policy_version=min(versions) if known else None,
             turn_policy_versions=versions if known else None,

@@ -1,0 +1,109 @@
+"""DAPO's overlong shaping and dynamic sampling (trainer.shaping) against the paper's
+definitions, through the trainer's own batch building and sources."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from test_turn_prefix import trajectory
+
+from environments.jsonl_store import GroupWriter
+from environments.trajectory import MASKED, ScoredGroup, TrajectoryFlags
+from trainer.config import TrainConfig
+from trainer.shaping import DynamicSampling, overlong_penalty
+from trainer.sources import JSONLBatches
+from trainer.train import Batch, batch_tensors
+
+
+def reference_penalty(length, l_max, l_cache):
+    """DAPO eq. 13: 0 up to L_max - L_cache, then linear to -1 at L_max, -1 beyond."""
+    if length <= l_max - l_cache:
+        return 0.0
+    if length <= l_max:
+        return (l_max - l_cache - length) / l_cache
+    return -1.0
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    for length in range(0, 40):
+        assert overlong_penalty(length, 30, 8) == pytest.approx(reference_penalty(length, 30, 8))
+    assert overlong_penalty(26, 30, 8) == pytest.approx(-0.5)
+
+
+def sampled(t):
+    return sum(m != MASKED for m in t.masks)
+
+
+def test_overlong_shaping_changes_the_advantages_and_truncated_rows_can_be_masked():
+    rng = random.Random(1)
+    trajs = [trajectory(rng, rng.randint(1, 3), 0.0) for _ in range(6)]
+    trajs = [t.model_copy(update={"scores": float(i % 2), "turn_spans": None})
+             for i, t in enumerate(trajs)]
+    trajs[0] = trajs[0].model_copy(update={"flags": TrajectoryFlags(truncated=True)})
+    group = ScoredGroup(trajectories=trajs)
+    lengths = [sampled(t) for t in trajs]
+    limit, buffer = sorted(lengths)[3], 4
+    config = TrainConfig(model="m", estimator="grpo", overlong_buffer=buffer,
+                         overlong_max_tokens=limit)
+    tensors, _ = batch_tensors(Batch([group]), config, vocab_size=64, pad_id=0)
+    shaped = [t.scores + reference_penalty(n, limit, buffer) for t, n in zip(trajs, lengths)]
+    assert any(reference_penalty(n, limit, buffer) < 0 for n in lengths)
+    mean = sum(shaped) / len(shaped)
+    std = (sum((x - mean) ** 2 for x in shaped) / (len(shaped) - 1)) ** 0.5
+    for row, value in enumerate(shaped):
+        got = tensors.advantages[row][tensors.mask[row]]
+        assert got.tolist() == pytest.approx([(value - mean) / (std + 1e-4)] * len(got), abs=1e-5)
+    masked = config.model_copy(update={"overlong_mask_truncated": True})
+    tensors, stats = batch_tensors(Batch([group]), masked, vocab_size=64, pad_id=0)
+    assert stats["rows"] == 5 and tensors.n_tokens == sum(lengths[1:])
+
+
+def group_of(rng, scores):
+    return ScoredGroup(trajectories=[trajectory(rng, 1, [s]) for s in scores])
+
+
+class Acks(JSONLBatches):
+    """The file source, recording which batches the step finished."""
+
+    finished: list[Batch]
+
+    async def finish(self, batch):
+        self.finished = [*getattr(self, "finished", []), batch]
+
+
+def test_dynamic_sampling_sets_aside_equal_groups_and_fills_the_batch(tmp_path):
+    rng = random.Random(0)
+    # groups of 4: equal, signal, equal, signal, signal, equal ... (batch_size 8 = 2 groups)
+    pattern = [[1, 1, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0], [0.2, 0.5, 0.5, 0.5],
+               [1, 0, 0, 0], [0.5, 0.5, 0.5, 0.5]]
+    GroupWriter(tmp_path / "g.jsonl").append([group_of(rng, s) for s in pattern])
+    config = TrainConfig(model="m", batch_size=8, dynamic_sampling=True,
+                         dynamic_sampling_max_batches=3)
+    source = DynamicSampling(Acks(tmp_path / "g.jsonl", 8), config)
+    batch = asyncio.run(source.next())
+    # batch 1: [equal, signal] ; batch 2: [equal, signal] -> full after 2 batches
+    assert [[t.outcome for t in g.trajectories] for g in batch.groups] == [pattern[1], pattern[3]]
+    assert batch.stats == {"dynamic_sampling_batches": 2.0, "dynamic_sampling_groups_equal": 2.0,
+                           "dynamic_sampling_groups_left_out": 0.0,
+                           "dynamic_sampling_full": 1.0}
+    _, stats = batch_tensors(batch, config, vocab_size=64, pad_id=0)
+    assert stats["dynamic_sampling_batches"] == 2.0 and stats["rows"] == 8
+    asyncio.run(source.finish(batch))
+    assert len(source.source.finished) == 2  # every batch taken is finished
+    # batch 3: [signal, equal]; batch 4 (the cap is 3, so 2 more): [equal, signal] ...
+    batch = asyncio.run(source.next())
+    assert batch.stats["dynamic_sampling_full"] == 1.0 and len(batch.groups) == 2
+
+
+def test_dynamic_sampling_stops_at_the_cap(tmp_path):
+    rng = random.Random(0)
+    GroupWriter(tmp_path / "g.jsonl").append([group_of(rng, [1, 1]) for _ in range(3)]
+                                              + [group_of(rng, [0, 1])])
+    config = TrainConfig(model="m", batch_size=4, dynamic_sampling=True,
+                         dynamic_sampling_max_batches=2)
+    batch = asyncio.run(DynamicSampling(JSONLBatches(tmp_path / "g.jsonl", 4), config).next())
+    # two batches of two groups: three equal groups set aside, one with signal: not full
+    assert len(batch.groups) == 1 and batch.stats["dynamic_sampling_full"] == 0.0
+    assert batch.stats["dynamic_sampling_groups_equal"] == 3.0
