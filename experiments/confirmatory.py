@@ -133,13 +133,13 @@ def run_cell(args: argparse.Namespace, model: str, arm: str, seed: int, *,
 
 
 def check_arms(args: argparse.Namespace) -> None:
-    """Every arm's config is valid before any run starts (e.g. GiGPO is available)."""
+    """Every arm's config is valid before any run starts (a misspelled setting stops the
+    grid before its first run, not at the arm's first cell hours later)."""
     for arm in args.arms:
         try:
             ca.arm_config(args, "warm-start", arm, 0, arms=ARMS).check_sections()
         except ValueError as error:
-            raise SystemExit(f"arm {arm}: {error}\n(GiGPO and arithmetic_tool's "
-                             "outcome_only come with the objectives issue, branch h28)")
+            raise SystemExit(f"arm {arm}: {error}") from None
 
 
 # --- the registered analysis ------------------------------------------------------------

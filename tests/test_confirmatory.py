@@ -150,13 +150,6 @@ def test_run_cell_records_every_attempt_and_finishes_only_on_success(tmp_path, m
     assert json.loads((tmp_path / "grpo-seed5" / "summary.json").read_text()) == {"seconds": 1.5}
 
 
-def gigpo_available():
-    from trainer.config import TrainConfig
-
-    return "gigpo" in str(TrainConfig.model_fields["estimator"].annotation)
-
-
-@pytest.mark.skipif(not gigpo_available(), reason="needs GiGPO (estimator: gigpo, branch h28)")
 def test_every_registered_arm_is_a_valid_run(tmp_path):
     cf = load("confirmatory")
     args = argparse.Namespace(config=REPO / "configs" / "credit_assignment.yaml",
@@ -167,11 +160,12 @@ def test_every_registered_arm_is_a_valid_run(tmp_path):
     assert run.envs[0].settings["seed"] == 1007
 
 
-@pytest.mark.skipif(gigpo_available(), reason="GiGPO is here: the arms are valid")
-def test_without_gigpo_the_runner_refuses_to_start(tmp_path):
+def test_an_invalid_arm_stops_the_grid_before_any_run(tmp_path, monkeypatch):
     cf = load("confirmatory")
+    monkeypatch.setitem(cf.ARMS, "gigpo", ("GiGPO", {"estimator": "gigpo_typo"}, {}))
     args = argparse.Namespace(config=REPO / "configs" / "credit_assignment.yaml",
                               runs_dir=tmp_path, steps=None, arms=list(cf.ARMS))
-    with pytest.raises(SystemExit, match=r"(?s)arm gigpo: .*outcome_only"):
+    with pytest.raises(SystemExit, match=r"(?s)arm gigpo: .*gigpo_typo"):
         cf.check_arms(args)
     cf.check_arms(argparse.Namespace(**{**vars(args), "arms": ["grpo", "mt_grpo", "turn_rtg"]}))
+    assert not list(tmp_path.iterdir())
