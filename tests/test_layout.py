@@ -18,6 +18,8 @@ from conftest import REPO
 from lachesis.run.config import RunConfig
 from lachesis.run.layout import build_layout, visible_devices
 from lachesis.run.plan import format_plan, make_plan
+from lachesis.run.supervisor import Supervisor
+from sandbox_fixtures import docker_image  # noqa: F401
 
 ENV = {"group_size": 4, "max_token_length": 256}
 NODE = {
@@ -230,6 +232,45 @@ def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_py
              "give the server's command or its docker_image")]:
         with pytest.raises(ValueError, match=error):
             config(tmp_path, train={"batch_size": 8}, envs=[env]).check_sections()
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b'{"status": "healthy"}')
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def containers(name: str) -> list[str]:
+    return subprocess.run(["docker", "ps", "--all", "--quiet", "--filter", f"name={name}"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_a_server_from_a_docker_image_is_waited_for_and_gone_when_the_run_stops(
+        tmp_path, docker_image):
+    """The server an OpenEnv env talks to, from an image: the supervisor starts the
+    container, waits for its health on the host's network, and nothing of it is left after
+    the run stops (a python server as PID 1 would ignore docker's SIGTERM; --init)."""
+    run = config(tmp_path, train={"batch_size": 8}, envs=[
+        {"name": "openenv:http://127.0.0.1:{port}", "settings": {"group_size": 4},
+         "server": {"docker_image": docker_image,
+                    "command": ["python3", "-c", HEALTH_SERVER, "{port}"]}}])
+    supervisor = Supervisor(run)
+    supervisor.layout = layout = build_layout(run)
+    [backend] = layout.backends
+    child = supervisor.start_process(backend)
+    try:
+        supervisor.wait_healthy(child, backend.health_url, timeout_s=60)
+        assert len(containers(backend.container)) == 1
+    finally:
+        supervisor.stop_all()
+    assert child.returncode not in (None, -9), "the container did not stop on SIGTERM"
+    assert containers(backend.container) == []
+    assert "docker run --rm --init --network host" in child.log_path.read_text()
 
 
 def test_an_atropos_env_runs_its_own_cli_under_lachesis_env(tmp_path):

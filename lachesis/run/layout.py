@@ -229,7 +229,7 @@ def env_backend(env: EnvSettings, logs: Path) -> Process:
     environment = {k: fill(v) for k, v in server.environment.items()}
     command = [fill(c) for c in server.command or []]
     if server.docker_image is not None:
-        command = ["docker", "run", "--rm", "--network", "host",
+        command = ["docker", "run", "--rm", "--init", "--network", "host",
                    "--name", f"lachesis-{env.label}-{port}", "-e", f"PORT={port}",
                    *[a for k, v in environment.items() for a in ("-e", f"{k}={v}")],
                    server.docker_image, *command]

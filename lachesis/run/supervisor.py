@@ -25,6 +25,7 @@ import json
 import logging
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import urllib.error
@@ -155,6 +156,10 @@ class Supervisor:
         left = kill_leftovers(self.run_id)
         if left:
             log.warning("killed %d leftover process(es) of the run: %s", len(left), left)
+        for process in self.layout.backends if self.layout is not None else []:
+            if process.container is not None:  # a docker CLI killed outright leaves it running
+                subprocess.run(["docker", "rm", "--force", process.container],
+                               capture_output=True, check=False)
 
     # -- phases --------------------------------------------------------------------------
     def prepare_model(self) -> str:
