@@ -49,6 +49,8 @@ class Process:
     """The settings file the command reads, and what the supervisor writes into it."""
     health_url: str | None = None
     """Up once this answers."""
+    container: str | None = None
+    """The docker container the command runs (removed when the run stops)."""
 
 
 @dataclass
@@ -228,12 +230,15 @@ def env_backend(env: EnvSettings, logs: Path) -> Process:
 
     environment = {k: fill(v) for k, v in server.environment.items()}
     command = [fill(c) for c in server.command or []]
+    container = None
     if server.docker_image is not None:
+        # --init: the image's server is not PID 1, so the SIGTERM docker passes on stops it
+        container = f"lachesis-{env.label}-{port}"
         command = ["docker", "run", "--rm", "--init", "--network", "host",
-                   "--name", f"lachesis-{env.label}-{port}", "-e", f"PORT={port}",
+                   "--name", container, "-e", f"PORT={port}",
                    *[a for k, v in environment.items() for a in ("-e", f"{k}={v}")],
                    server.docker_image, *command]
     name = f"server-{env.label}"
     url = f"http://127.0.0.1:{port}"
     return Process(name, command, logs / f"{name}.log", env=environment, port=port, url=url,
-                   health_url=url + server.health_path)
+                   health_url=url + server.health_path, container=container)
