@@ -169,27 +169,50 @@ def test_killing_the_supervisor_outright_leaves_no_process(tiny_model_dir, tmp_p
     wait_for(lambda: processes_of_run(rid) == [], 30, "the run's processes to go")
 
 
-def test_lora_run_hot_loads_each_adapter_and_the_env_switches_to_it(tiny_model_dir, tmp_path):
-    """`lora:` in the run config: vLLM starts with runtime adapter loading, every step's
-    adapter is loaded under a versioned name and the env's requests follow it."""
+def test_lora_run_hot_loads_each_adapter_and_a_restarted_replica_gets_the_newest(
+        tiny_model_dir, tmp_path):
+    """`lora:` in the run config, two vLLM replicas: they start with runtime adapter
+    loading, every step's adapter is loaded under a versioned name and the env's requests
+    follow it. One replica is killed after step 1: the supervisor restarts it on the base
+    model, the trainer leaves it behind and loads the newest adapter into it when it is
+    back (requests that reach it before then are retried on the other replica), and every
+    later sync reaches both."""
+    steps = 4
     config = write_config(tmp_path, tiny_model_dir, "lora", warm_start=None, evaluate=False,
-                          lora={"rank": 8, "alpha": 16})
+                          lora={"rank": 8, "alpha": 16},
+                          vllm={**SHORT_RUN["vllm"], "replicas": 2},
+                          train={**SHORT_RUN["train"], "steps": steps,
+                                 "check_sync_every": True})
     run = start_run(config)
-    out, err = run.communicate(timeout=900)
-    assert run.returncode == 0, err[-3000:]
     run_dir = tmp_path / "runs" / "lora"
+    try:
+        kill_replica_until_it_is_back(run, run_dir)
+        out, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert metrics[0]["sync_check_mean_abs_diff"] < 1e-3
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["sync_check_mean_abs_diff"] < 1e-3 for m in metrics)
+    assert metrics[0]["sync_checked_servers"] == 2 and metrics[-1]["sync_checked_servers"] == 2
+    assert metrics[-1]["vllm_behind"] == 0
+    assert sum(m["groups_set_aside"] for m in metrics) == 0
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "alignment check: mean |trainer - vLLM| logprob" in trainer_log
-    vllm_log = (run_dir / "logs" / "vllm.log").read_text()
-    assert all(f"Loaded new LoRA adapter: name 'policy-lora-v00000{v}'" in vllm_log
-               for v in (1, 2, 3))
+    assert " is back: loaded " in trainer_log and "/adapters/v" in trainer_log
+    first, restarted = (run_dir / "logs" / "vllm-1.log").read_text().split("\n$ ")
+    assert f"--model {tiny_model_dir} " in restarted  # the base model, LoRA flags kept
+    assert "--enable-lora" in restarted
+    assert "Loaded new LoRA adapter: name 'policy-lora-v000001'" in first
+    assert f"Loaded new LoRA adapter: name 'policy-lora-v00000{steps}'" in restarted
+    vllm_0 = (run_dir / "logs" / "vllm-0.log").read_text()
+    assert all(f"Loaded new LoRA adapter: name 'policy-lora-v00000{v}'" in vllm_0
+               for v in range(1, steps + 1))
     env_log = (run_dir / "logs" / "env-arithmetic_tool.log").read_text()
     assert "requests go to model policy-lora-v00000" in env_log
-    assert sorted(p.name for p in (run_dir / "trainer" / "adapters").iterdir()) == [
-        "v000001", "v000002", "v000003"]
+    assert sorted(p.name for p in (run_dir / "trainer" / "adapters").iterdir())[-1] == \
+        f"v00000{steps}"
 
 
 LETTER_E_ENV = """
@@ -259,25 +282,8 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     run = start_run(config)
     run_dir = tmp_path / "runs" / "node"
     metrics_file = run_dir / "trainer" / "metrics.jsonl"
-    trainer_log = run_dir / "logs" / "trainer.log"
     try:
-        wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
-                 600, "the first step", run)
-        command = (run_dir / "logs" / "vllm-1.log").read_text().splitlines()[0]
-        port = command.split("--port ")[1].split()[0]
-        os.killpg(os.getpgid(replica_pid(run_id(run_dir), port)), signal.SIGKILL)
-        wait_for(lambda: "when it answers again" in trainer_log.read_text(), 300,
-                 "the trainer to leave the dead replica behind", run)
-        trainer = [pid for pid in processes_of_run(run_id(run_dir))
-                   if b"train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-        for pid in trainer:
-            os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: (run_dir / "logs" / "vllm-1.log").read_text().count("\n$ ") == 1,
-                 60, "the restart", run)
-        wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 600,
-                 "the restarted replica", run)
-        for pid in trainer:
-            os.kill(pid, signal.SIGCONT)
+        kill_replica_until_it_is_back(run, run_dir)
         out, err = run.communicate(timeout=900)
     finally:
         if run.poll() is None:
@@ -308,6 +314,30 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     assert len(pushed) == 3 and min(pushed) > 0 and sum(pushed) >= trained == steps * 2
     assert sum(m["groups_set_aside"] for m in metrics) == 0
     assert "Traceback" not in (run_dir / "logs" / "api.log").read_text()
+
+
+def kill_replica_until_it_is_back(run: subprocess.Popen, run_dir: Path) -> None:
+    """Kill replica vllm-1 once the trainer has written step 1's metrics; hold the trainer
+    (SIGSTOP) from when it has left the replica behind until the supervisor's restart of
+    it answers, so that the run cannot end before then."""
+    metrics_file = run_dir / "trainer" / "metrics.jsonl"
+    wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
+             600, "the first step", run)
+    command = (run_dir / "logs" / "vllm-1.log").read_text().splitlines()[0]
+    port = command.split("--port ")[1].split()[0]
+    os.killpg(os.getpgid(replica_pid(run_id(run_dir), port)), signal.SIGKILL)
+    wait_for(lambda: "when it answers again" in (run_dir / "logs" / "trainer.log").read_text(),
+             300, "the trainer to leave the dead replica behind", run)
+    trainer = [pid for pid in processes_of_run(run_id(run_dir))
+               if b"train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    for pid in trainer:
+        os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: (run_dir / "logs" / "vllm-1.log").read_text().count("\n$ ") == 1,
+             60, "the restart", run)
+    wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 600,
+             "the restarted replica", run)
+    for pid in trainer:
+        os.kill(pid, signal.SIGCONT)
 
 
 def logprob_change(before: Path, after: Path) -> float:

@@ -82,6 +82,50 @@ def test_lora_trains_only_the_adapter_and_vllm_serves_each_version_as_the_traine
     assert more["start_step"] == 2 and more["last_step"] == 3
 
 
+def test_a_replica_without_the_adapter_is_routed_around(server, vllm_server, tmp_path):
+    """A replica restarted on the base model answers 404 for the adapter's name until its
+    adapter is loaded again: the env's pool retries the request on a replica that serves
+    it instead of failing the rollout."""
+    from peft import LoraConfig, get_peft_model
+
+    from environments.inference.vllm_client import VLLMServerPool
+
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(server.model_dir),
+                   LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"])
+                   ).save_pretrained(adapter)
+    loaded = requests_json_post(server.url + "/v1/load_lora_adapter",
+                                {"lora_name": "only-here", "lora_path": str(adapter)})
+    assert loaded.status == 200
+
+    async def scenario():
+        async with VLLMServerPool([vllm_server.url, server.url], "only-here", retries=2,
+                                  backoff_s=0.01) as pool:
+            completions = await asyncio.gather(*(pool.complete([1, 2, 3], max_tokens=4)
+                                                 for _ in range(4)))
+            return completions, pool.describe()
+
+    try:
+        completions, servers = asyncio.run(scenario())
+    finally:
+        requests_json_post(server.url + "/v1/unload_lora_adapter", {"lora_name": "only-here"})
+    assert all(c.server == server.url for c in completions)
+    assert servers[vllm_server.url]["healthy"] is False
+    assert "404" in servers[vllm_server.url]["last_error"]
+
+
+def requests_json_post(url: str, body: dict):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(request, timeout=60)
+    except urllib.error.HTTPError as error:
+        return error
+
+
 def requests_json(url: str):
     import requests
 

@@ -117,24 +117,39 @@ class LoraSync:
                 text = await response.text()
                 raise AdapterLoadError(f"POST {url} -> {response.status}: {text[:500]}")
 
-    async def load(self, name: str, path: Path, urls: list[str] | None = None) -> None:
-        """Load adapter ``path`` as ``name`` into ``urls`` (all servers by default)."""
+    async def load(self, name: str, path: Path, urls: list[str] | None = None,
+                   tolerate: tuple[type[BaseException], ...] = ()) -> set[str]:
+        """Load adapter ``path`` as ``name`` into ``urls`` (all servers by default).
+        Returns the servers that failed with one of ``tolerate``; other errors raise."""
+        urls = urls if urls is not None else self.urls
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
-            await asyncio.gather(*(
+            results = await asyncio.gather(*(
                 # in place: a run resumed from an older checkpoint publishes names the
                 # servers may hold already; the path is new, and vLLM's prefix cache keys
                 # adapter blocks by name and path, so none of the old blocks is reused
                 self._post(session, f"{url}/v1/load_lora_adapter",
                            {"lora_name": name, "lora_path": str(path), "load_inplace": True})
-                for url in urls or self.urls))
+                for url in urls), return_exceptions=True)
+        failed = set()
+        for url, result in zip(urls, results):
+            if isinstance(result, tolerate):
+                log.warning("adapter %s not loaded into %s (%s): it gets the newest when it "
+                            "answers again", name, url, result)
+                failed.add(url)
+            elif isinstance(result, BaseException):
+                raise result
+        return failed
 
-    async def publish(self, model: Any, version: int,
-                      weights: dict[str, Any] | None = None) -> str:
-        """Save ``version``'s adapter, load it everywhere, unload (and delete) the versions
-        beyond ``keep_loaded``; returns the name to serve it under."""
+    async def publish(self, model: Any, version: int, weights: dict[str, Any] | None = None,
+                      skip: set[str] | frozenset[str] = frozenset(),
+                      tolerate: tuple[type[BaseException], ...] = ()) -> tuple[str, set[str]]:
+        """Save ``version``'s adapter, load it into every server but ``skip``, unload (and
+        delete) the versions beyond ``keep_loaded``; returns the name to serve it under
+        and the servers that failed with one of ``tolerate`` (supervised replicas that
+        died: :meth:`restore` loads the newest into them when they are back)."""
         path = await asyncio.to_thread(self.save, model, version, weights)
         name = self.name(version)
-        await self.load(name, path)
+        failed = await self.load(name, path, [u for u in self.urls if u not in skip], tolerate)
         self.loaded.append((name, path))
         old, self.loaded = self.loaded[:-self.keep], self.loaded[-self.keep:]
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
@@ -146,7 +161,7 @@ class LoraSync:
                     except Exception as error:  # noqa: BLE001 - a leftover costs a slot only
                         log.warning("could not unload %s from %s: %s", old_name, url, error)
                 shutil.rmtree(old_path, ignore_errors=True)
-        return name
+        return name, failed
 
     async def restore(self, url: str) -> str | None:
         """Load the newest adapter into a (restarted) server; returns its name."""

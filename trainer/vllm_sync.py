@@ -292,12 +292,16 @@ class PolicyServers:
                         continue
                 if url in self.transfers:  # a restarted server: a new handshake
                     await asyncio.to_thread(self.transfers[url].close)
-                if self.latest is not None:
+                if self.lora is not None:  # restarted on the base model: the newest adapter
+                    await self.lora.restore(url)
+                elif self.latest is not None:
                     await self.sync.reload(self.latest, [url])
-            except SYNC_ERRORS:
+            except (*SYNC_ERRORS, AdapterLoadError):
                 continue
             self.behind.discard(url)
-            log.info("%s is back: loaded %s into it", url, self.latest)
+            log.info("%s is back: loaded %s into it", url,
+                     self.lora.loaded[-1][1] if self.lora is not None and self.lora.loaded
+                     else self.latest)
         return {"vllm_behind": len(self.behind)}
 
     async def _publish_supervised(self, model: Any, tokenizer: Any, version: int,
@@ -353,7 +357,13 @@ class PolicyServers:
         values: dict[str, Any] = {}
         try:
             if self.method == "lora":
-                self.model_name = await self.lora.publish(model, version, weights)
+                supervised = self.config.vllm_supervised
+                self.model_name, failed = await self.lora.publish(
+                    model, version, weights, skip=self.behind,
+                    tolerate=(*SYNC_ERRORS, AdapterLoadError) if supervised else ())
+                self.behind |= failed
+                if supervised:
+                    values["vllm_behind"] = len(self.behind)
             elif self.config.vllm_supervised:
                 await self._publish_supervised(model, tokenizer, version, weights, values)
             elif self.method == "transfer":
@@ -370,7 +380,7 @@ class PolicyServers:
                       self.managed.url)
             if self.method == "lora":
                 await self._restart(force=True)
-                self.model_name = await self.lora.publish(model, version, weights)
+                self.model_name, _ = await self.lora.publish(model, version, weights)
             else:
                 if self.latest is None or self.latest.name != f"v{version:06d}":
                     await self._save(model, tokenizer, version, weights)

@@ -8,8 +8,9 @@ Routing: a request goes to the healthy server with the fewest requests in flight
 broken round-robin). A server that fails (connection error, timeout, 5xx) is marked
 unhealthy and the request is retried on another one with exponential backoff; an
 unhealthy server gets requests again once ``GET /health`` answers 200 (checked in the
-background every ``health_interval_s``). A 4xx is the request's own fault and is not
-retried.
+background every ``health_interval_s``). A 404 (the server does not serve the requested
+model: a replica restarted on the base model before its LoRA adapter is loaded again) is
+treated the same way; any other 4xx is the request's own fault and is not retried.
 """
 
 from __future__ import annotations
@@ -169,6 +170,9 @@ class VLLMServerPool:
                     data = await response.json(content_type=None)
                     if response.status >= 500:
                         raise _ServerFault(f"{response.status}: {data}")
+                    if response.status == 404:  # it does not serve the model (yet): a
+                        # replica restarted on the base model, before its adapter is back
+                        raise _ServerFault(f"404, model {self.model!r}: {data}")
                     if response.status >= 400:
                         message = data.get("error", data) if isinstance(data, dict) else data
                         raise InferenceError(f"{server.url} refused the request "
