@@ -5,13 +5,17 @@ MT-GRPO, GiGPO and turn-RTG x 32 seeds on ``configs/credit_assignment.yaml``, re
     python experiments/confirmatory.py --cell gigpo 7   # one cell again, in runs/confirmatory-cells/
     python experiments/confirmatory.py --report         # the registered tests, table and plot
 
-The grid runs seeds outermost, in the registered arm order. A cell is finished when its
-``summary.json`` exists; finished cells are skipped, so stopping and starting again goes
-on where it stopped (an unfinished run is started again from scratch). Every attempt
-appends one line to ``RUNS_DIR/manifest.jsonl``: arm, seed, commit, dirty tree, the full
-run config, start, seconds, outcome (finished, failed with the error, or stopped). A cell
-that failed ``MAX_ATTEMPTS`` times is left and reported as missing. The runs' settings
-come from ``experiments/credit_assignment.py``; the tests from ``experiments/stats.py``.
+The grid runs seeds outermost, in the registered arm order. A run works under
+``RUNS_DIR`` (checkpoints, logs: not kept in git); when it finishes, its ``summary.json``
+and ``trainer/metrics.jsonl`` are copied to ``RESULTS`` (``experiments/results/confirmatory``,
+tracked), and a cell is finished when its copy exists there. Finished cells are skipped,
+so stopping and starting again goes on where it stopped, on this machine or on a fresh
+clone once the results are committed (an unfinished run is started again from scratch).
+Every attempt appends one line to ``RESULTS/manifest.jsonl``: arm, seed, commit, dirty
+tree, the warm start's weights hash, the full run config, start, seconds, outcome
+(finished, failed with the error, or stopped). A cell that failed ``MAX_ATTEMPTS`` times
+is left and reported as missing. The runs' settings come from
+``experiments/credit_assignment.py``; the tests from ``experiments/stats.py``.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -45,6 +51,7 @@ ARMS = {
 }
 BASELINE = "grpo"
 SEEDS = list(range(32))
+RESULTS = REPO / "experiments" / "results" / "confirmatory"
 COLLAPSE_BELOW = 0.5  # final-evaluation tool success below this: collapsed
 ALPHA = 0.05  # family-wise, per question, Holm over the comparisons with BASELINE
 MAX_ATTEMPTS = 3
@@ -54,21 +61,41 @@ SECONDARY = {"tool_success": "tool success", "exact_match": "exact match",
 
 # --- the grid: what is finished, what is left --------------------------------------------
 
-def read_manifest(runs_dir: Path) -> list[dict[str, Any]]:
-    path = runs_dir / "manifest.jsonl"
+def read_manifest(results: Path) -> list[dict[str, Any]]:
+    path = results / "manifest.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def record(runs_dir: Path, entry: dict[str, Any]) -> None:
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    with open(runs_dir / "manifest.jsonl", "a") as f:
+def record(results: Path, entry: dict[str, Any]) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    with open(results / "manifest.jsonl", "a") as f:
         f.write(json.dumps(entry, default=str) + "\n")
 
 
-def is_finished(runs_dir: Path, arm: str, seed: int) -> bool:
-    return (runs_dir / f"{arm}-seed{seed}" / "summary.json").exists()
+def is_finished(results: Path, arm: str, seed: int) -> bool:
+    return (results / f"{arm}-seed{seed}" / "summary.json").exists()
+
+
+def keep(run_dir: Path, results: Path, summary: dict[str, Any]) -> None:
+    """A finished run's summary and per-step metrics into the tracked results; the
+    summary last and by rename, so a cell is finished only once both are there."""
+    cell = results / run_dir.name
+    (cell / "trainer").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run_dir / "trainer" / "metrics.jsonl", cell / "trainer" / "metrics.jsonl")
+    done = cell / "summary.json"
+    done.with_suffix(".tmp").write_text(json.dumps(summary, indent=2, default=str))
+    done.with_suffix(".tmp").rename(done)
+
+
+def weights_hash(model: str) -> str:
+    """sha256 over the warm start's weight files: the runs of one study share it (a
+    fresh machine builds it again; the manifest shows whether it came out the same)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model).glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def failures(manifest: list[dict[str, Any]], arm: str, seed: int) -> int:
@@ -76,12 +103,12 @@ def failures(manifest: list[dict[str, Any]], arm: str, seed: int) -> int:
                if e["arm"] == arm and e["seed"] == seed and e["outcome"] == "failed")
 
 
-def pending(runs_dir: Path, arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+def pending(results: Path, arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:
     """The cells still to run, seeds outermost: not finished and failed fewer than
     ``MAX_ATTEMPTS`` times (a stopped attempt does not count)."""
-    manifest = read_manifest(runs_dir)
+    manifest = read_manifest(results)
     return [(arm, seed) for seed in seeds for arm in arms
-            if not is_finished(runs_dir, arm, seed)
+            if not is_finished(results, arm, seed)
             and failures(manifest, arm, seed) < MAX_ATTEMPTS]
 
 
@@ -111,24 +138,23 @@ def run_cell(args: argparse.Namespace, model: str, arm: str, seed: int, *,
              evaluate_before: bool) -> str:
     """One attempt at one cell, recorded in the manifest; returns its outcome."""
     config = ca.arm_config(args, model, arm, seed, arms=ARMS, evaluate_before=evaluate_before)
-    entry = {"arm": arm, "seed": seed, **git_state(), "config": config.model_dump(mode="json"),
+    entry = {"arm": arm, "seed": seed, **git_state(), "warm_start_sha256": weights_hash(model),
+             "config": config.model_dump(mode="json"),
              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     started = time.monotonic()
     try:
         with held(args.lock):
             summary = run_quietly(config)
     except RunFailed as error:
-        record(args.runs_dir, {**entry, "outcome": "failed", "error": str(error),
-                               "seconds": time.monotonic() - started})
+        record(args.results, {**entry, "outcome": "failed", "error": str(error),
+                              "seconds": time.monotonic() - started})
         return "failed"
     except BaseException:  # stopped (Ctrl-C, kill): started again from scratch next time
-        record(args.runs_dir, {**entry, "outcome": "stopped",
-                               "seconds": time.monotonic() - started})
+        record(args.results, {**entry, "outcome": "stopped",
+                              "seconds": time.monotonic() - started})
         raise
-    done = config.run_dir / "summary.json"
-    done.with_suffix(".tmp").write_text(json.dumps(summary, indent=2, default=str))
-    done.with_suffix(".tmp").rename(done)  # a cell is finished only once this exists
-    record(args.runs_dir, {**entry, "outcome": "finished", "seconds": summary["seconds"]})
+    keep(config.run_dir, args.results, summary)
+    record(args.results, {**entry, "outcome": "finished", "seconds": summary["seconds"]})
     return "finished"
 
 
@@ -167,12 +193,14 @@ def primary_tests(per_run: dict[tuple[str, int], dict[str, float]], arms: list[s
 
 
 def report(args: argparse.Namespace) -> str:
+    # the finished runs' values, read from the tracked results
+    args = argparse.Namespace(**{**vars(args), "runs_dir": args.results})
     per_run = {(arm, seed): ca.run_values(args, arm, seed, json.loads(
-        (args.runs_dir / f"{arm}-seed{seed}" / "summary.json").read_text()))
-        for seed in args.seeds for arm in args.arms if is_finished(args.runs_dir, arm, seed)}
+        (args.results / f"{arm}-seed{seed}" / "summary.json").read_text()))
+        for seed in args.seeds for arm in args.arms if is_finished(args.results, arm, seed)}
     if BASELINE not in {arm for arm, _ in per_run}:
-        raise SystemExit(f"no finished {BASELINE} run under {args.runs_dir}")
-    manifest = read_manifest(args.runs_dir)
+        raise SystemExit(f"no finished {BASELINE} run under {args.results}")
+    manifest = read_manifest(args.results)
     missing = [(a, s) for s in args.seeds for a in args.arms if (a, s) not in per_run]
     tests = primary_tests(per_run, args.arms)
     lines = [(f"{len(per_run)} finished runs of {len(args.arms) * len(args.seeds)} "
@@ -240,8 +268,8 @@ def plot(args: argparse.Namespace, arms: list[str], out: Path) -> None:
     for ax, key, label in zip(axes, ["env/tool_success", "env/correct"],
                               ["tool success", "answer accuracy"]):
         for arm in arms:
-            curves = [[m.get(key, 0.0) for m in ca.read_metrics(args.runs_dir / f"{arm}-seed{s}")]
-                      for s in args.seeds if is_finished(args.runs_dir, arm, s)]
+            curves = [[m.get(key, 0.0) for m in ca.read_metrics(args.results / f"{arm}-seed{s}")]
+                      for s in args.seeds if is_finished(args.results, arm, s)]
             mean, low, high = step_bands(curves)
             steps = range(1, len(mean) + 1)
             line, = ax.plot(steps, mean, label=f"{ARMS[arm][0]} ({len(curves)} runs)")
@@ -264,7 +292,11 @@ def main() -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS,
                         help="default: the registered seeds 0..31")
     parser.add_argument("--steps", type=int, default=None, help="smoke runs only")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "confirmatory")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "confirmatory",
+                        help="where runs work (checkpoints, logs)")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="where finished runs' summaries, metrics and the manifest are "
+                        "kept (default: tracked in git)")
     parser.add_argument("--lock", type=Path, default=None,
                         help="a file locked (flock) around each run, e.g. /tmp/lachesis-heavy.lock")
     parser.add_argument("--cell", nargs=2, metavar=("ARM", "SEED"),
@@ -275,6 +307,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: RUNS_DIR.md")
     args = parser.parse_args()
     args.out = args.out or args.runs_dir.with_suffix(".md")
+    if args.cell:  # a cell again: beside the study, not in it
+        args.runs_dir = args.runs_dir.with_name(args.runs_dir.name + "-cells")
+        args.results = args.runs_dir
     if args.report:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report(args))
@@ -287,17 +322,17 @@ def main() -> int:
         arm, seed = args.cell[0], int(args.cell[1])
         if arm not in ARMS:
             parser.error(f"--cell: unknown arm {arm!r}; the arms are {', '.join(ARMS)}")
-        args.runs_dir = args.runs_dir.with_name(args.runs_dir.name + "-cells")
         outcome = run_cell(args, model, arm, seed, evaluate_before=True)
         print(f"{arm} seed {seed}: {outcome}; {args.runs_dir / f'{arm}-seed{seed}'}")
         return 0 if outcome == "finished" else 1
     print("python experiments/confirmatory.py " + shlex.join(sys.argv[1:]), flush=True)
-    while todo := pending(args.runs_dir, args.arms, args.seeds):
+    while todo := pending(args.results, args.arms, args.seeds):
         arm, seed = todo[0]
         print(f"== {arm}, seed {seed} ({len(todo)} cells left)", flush=True)
         # the starting policy is measured once, by the grid's first cell
         first = (arm, seed) == (args.arms[0], args.seeds[0])
         print(f"   {run_cell(args, model, arm, seed, evaluate_before=first)}", flush=True)
+        time.sleep(5)  # lets whoever waits on the lock in before the next cell
     print("grid done; `python experiments/confirmatory.py --report` writes the report")
     return 0
 

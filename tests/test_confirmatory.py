@@ -123,31 +123,37 @@ def test_run_cell_records_every_attempt_and_finishes_only_on_success(tmp_path, m
     """The run itself (vLLM, trainer, env server: minutes) is replaced by its outcomes:
     a summary, a RunFailed, a stop; the smoke run in the report runs it for real."""
     cf = load("confirmatory")
+    results = tmp_path / "results"
     args = argparse.Namespace(config=REPO / "configs" / "credit_assignment.yaml",
-                              runs_dir=tmp_path, steps=None, lock=tmp_path / "lock")
+                              runs_dir=tmp_path / "runs", results=results, steps=None,
+                              lock=tmp_path / "lock")
     outcomes = iter([cf.RunFailed("trainer died"), KeyboardInterrupt(), {"seconds": 1.5}])
 
     def fake_run(config):
         outcome = next(outcomes)
         if isinstance(outcome, BaseException):
             raise outcome
-        config.run_dir.mkdir(parents=True, exist_ok=True)
+        (config.run_dir / "trainer").mkdir(parents=True, exist_ok=True)
+        (config.run_dir / "trainer" / "metrics.jsonl").write_text('{"step": 1}\n')
         return outcome
 
     monkeypatch.setattr(cf, "run_quietly", fake_run)
     assert cf.run_cell(args, "model", "grpo", 5, evaluate_before=False) == "failed"
     with pytest.raises(KeyboardInterrupt):
         cf.run_cell(args, "model", "grpo", 5, evaluate_before=False)
-    assert cf.pending(tmp_path, ["grpo"], [5]) == [("grpo", 5)]
+    assert cf.pending(results, ["grpo"], [5]) == [("grpo", 5)]
     assert cf.run_cell(args, "model", "grpo", 5, evaluate_before=False) == "finished"
-    assert cf.pending(tmp_path, ["grpo"], [5]) == []
-    manifest = cf.read_manifest(tmp_path)
+    assert cf.pending(results, ["grpo"], [5]) == []
+    manifest = cf.read_manifest(results)
     assert [e["outcome"] for e in manifest] == ["failed", "stopped", "finished"]
     assert manifest[0]["error"] == "trainer died" and len(manifest[2]["commit"]) == 40
     assert {e["seed"] for e in manifest} == {5}
     config = manifest[2]["config"]
     assert config["train"]["estimator"] == "grpo" and config["train"]["seed"] == 5
-    assert json.loads((tmp_path / "grpo-seed5" / "summary.json").read_text()) == {"seconds": 1.5}
+    # what a fresh clone needs to skip the cell and report it: kept in the tracked results
+    assert json.loads((results / "grpo-seed5" / "summary.json").read_text()) == {"seconds": 1.5}
+    assert (results / "grpo-seed5" / "trainer" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert len(manifest[2]["warm_start_sha256"]) == 64
 
 
 def test_every_registered_arm_is_a_valid_run(tmp_path):
