@@ -77,6 +77,10 @@ class AgentStats:
     new_segments: int = 0
     """Requests whose history did not extend the recorded one."""
     refused_requests: int = 0
+    """Requests the proxy refused (malformed, or past a limit), summed over rollouts."""
+    refused_without_rollout: int = 0
+    """Requests the proxy refused before it knew their rollout (malformed HTTP, an
+    unknown rollout or path)."""
 
 
 class BlackBoxEnvConfig(SandboxEnvConfig):
@@ -245,4 +249,6 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         return trajectory
 
     def describe_stats(self) -> dict[str, Any]:
+        if self.proxy is not None:
+            self.agent_stats.refused_without_rollout = self.proxy.refused_without_rollout
         return {**super().describe_stats(), "agent": asdict(self.agent_stats)}
