@@ -132,6 +132,54 @@ def test_an_agent_that_hangs_is_killed_at_the_timeout_and_its_group_fails(vllm_s
     assert not host_processes_mentioning(marker)
 
 
+LONG_AGENT = """
+import sys
+import openai
+client = openai.OpenAI(max_retries=0)
+messages = [{"role": "user", "content": "Count on. " + "one two three " * 200}]
+for _ in range(40):  # the context grows by ~600 tokens a request, until the proxy refuses
+    try:
+        reply = client.chat.completions.create(model="tiny", messages=messages)
+    except openai.BadRequestError as error:
+        print(error.code, file=sys.stderr)
+        sys.exit(4)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                 {"role": "user", "content": "More. " + "four five six " * 200}]
+"""
+
+
+def test_a_long_episode_at_the_servers_limit_ends_truncated_and_its_group_is_kept(
+        vllm_server, tmp_path):
+    """max_token_length equal to vLLM's max_model_len (the most the start check allows):
+    the agent's conversation grows until the proxy refuses it (context_length_exceeded);
+    the rollouts end truncated and are scored, the group is kept, and vLLM never refused
+    a request (every context it got, with its reply, fit in max_model_len)."""
+    from vllm_fixture import VLLM_MAX_MODEL_LEN
+
+    env = make_env(vllm_server, tmp_path, command=["python3", "long_agent.py"], max_turns=40,
+                   max_token_length=VLLM_MAX_MODEL_LEN, max_tokens_per_turn=16)
+    write = env.prepare_sandbox
+
+    async def prepare(item, sandbox):
+        await write(item, sandbox)
+        await sandbox.write_file("long_agent.py", LONG_AGENT)
+
+    env.prepare_sandbox = prepare
+    group = one_group(env)
+    assert group is not None and env.stats.groups_failed == 0, env.last_error
+    assert env.agent_stats.limit_exits == 2 and env.agent_stats.refused_requests == 2
+    for t in group.trajectories:
+        # max_tokens: the proxy refused a context past max_token_length (400
+        # context_length_exceeded), and the agent exited on it (its code 4)
+        assert t.flags.truncated and t.metadata["agent"]["limit"] == "max_tokens"
+        assert t.metadata["agent"]["exit_code"] == 4
+        assert len(t.turn_spans) >= 3 and len(t.scores) == len(t.turn_spans)
+        starts = [0, *(t.segment_starts or [])]
+        ends = [*starts[1:], len(t.tokens)]
+        assert max(b - a for a, b in zip(starts, ends)) <= VLLM_MAX_MODEL_LEN
+    assert env._pool.stats.failures == 0  # vLLM refused nothing
+
+
 @pytest.mark.parametrize("backend", ["docker", "unsafe_subprocess"])
 def test_the_reference_agent_reaches_the_model_from_the_other_backends(vllm_server, tmp_path,
                                                                        request, backend):
