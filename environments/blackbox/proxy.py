@@ -670,17 +670,22 @@ class InterceptionProxy:
                                          "finish_reason": finish}], **extra}
             return f"data: {json.dumps(data)}\n\n".encode()
 
-        await response.write(chunk({"role": "assistant", "content": ""}))
+        events = [chunk({"role": "assistant", "content": ""})]
         if message.get("content"):
-            await response.write(chunk({"content": message["content"]}))
+            events.append(chunk({"content": message["content"]}))
         for j, call in enumerate(message.get("tool_calls", [])):
-            await response.write(chunk({"tool_calls": [{"index": j, **call}]}))
-        await response.write(chunk({}, choice["finish_reason"]))
+            events.append(chunk({"tool_calls": [{"index": j, **call}]}))
+        events.append(chunk({}, choice["finish_reason"]))
         if (body.stream_options or {}).get("include_usage"):
             data = {**base, "choices": [], "usage": reply["usage"]}
-            await response.write(f"data: {json.dumps(data)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            events.append(f"data: {json.dumps(data)}\n\n".encode())
+        events.append(b"data: [DONE]\n\n")
+        try:
+            for event in events:
+                await response.write(event)
+            await response.write_eof()
+        except ConnectionResetError:  # the agent hung up; the turn is recorded all the same
+            log.info("the agent disconnected during the streamed reply %s", reply["id"])
         return response
 
 
