@@ -66,7 +66,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import jinja2
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
@@ -551,7 +550,7 @@ class InterceptionProxy:
                 continuation = self.renderer.continuation(
                     [m.rendered for m in segment.messages], [m.rendered for m in new], tools,
                     ended_with_eos=segment.ended_with_eos)
-            except (ChatTemplateError, jinja2.TemplateError) as error:
+            except ChatTemplateError as error:
                 reason = f"the chat template cannot extend the conversation ({error})"
             else:
                 self._check_room(rollout, len(state.tokens) - segment.start
@@ -563,9 +562,8 @@ class InterceptionProxy:
         if reason is not None:  # a new context
             try:
                 prompt = self.renderer.prompt_ids([m.rendered for m in messages], tools)
-            except (ChatTemplateError, jinja2.TemplateError) as error:
-                raise RequestError(f"messages: the chat template cannot render this "
-                                   f"conversation: {error}", param="messages") from None
+            except ChatTemplateError as error:
+                raise RequestError(f"messages: {error}", param="messages") from None
             self._check_room(rollout, len(prompt))
             if segment is not None:
                 log.info("rollout %s: new segment at token %d: %s", rollout.id,
