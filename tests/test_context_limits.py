@@ -35,10 +35,10 @@ def test_the_message_names_both_numbers_and_what_to_change():
 def test_the_run_plan_refuses_envs_that_do_not_fit_vllm_max_model_len(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
 
-    def plan(envs):
+    def plan(envs, **vllm):
         run = RunConfig.model_validate({
             "name": "limits", "model": "some/model", "runs_dir": str(tmp_path),
-            "vllm": {"max_model_len": 2048}, "train": {"batch_size": 8}, "envs": envs})
+            "vllm": {"max_model_len": 2048, **vllm}, "train": {"batch_size": 8}, "envs": envs})
         return make_plan(run, devices_present=0)
 
     fits = plan([{"name": "arithmetic_tool", "settings": {
@@ -59,6 +59,10 @@ def test_the_run_plan_refuses_envs_that_do_not_fit_vllm_max_model_len(tmp_path, 
         "never be longer than 2047. Set envs[2].settings.max_tokens_per_turn to 2047 or "
         "less, or vllm.max_model_len to 3001 or more"]
     assert "problems (2): the run would not start" in format_plan(wrong)
+    # vLLM's own flag would override vllm.max_model_len behind the check's back
+    assert plan(fits.config.envs[:1], args=["--max-model-len=8192"]).problems == [
+        "vllm.args: set vllm.max_model_len instead of --max-model-len (the envs' token "
+        "limits are checked against vllm.max_model_len)"]
 
 
 def test_env_process_refuses_an_existing_out_file_unless_appending(tmp_path, capsys):

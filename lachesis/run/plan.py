@@ -52,6 +52,9 @@ def context_limit_problems(plan: Plan) -> list[str]:
     config = plan.config
     max_model_len = config.vllm.max_model_len
     problems = []
+    if any(arg.split("=")[0] == "--max-model-len" for arg in config.vllm.args):
+        problems.append("vllm.args: set vllm.max_model_len instead of --max-model-len (the "
+                        "envs' token limits are checked against vllm.max_model_len)")
     for i, env in enumerate(config.envs):
         try:
             facts = env_facts(env)
