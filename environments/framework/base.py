@@ -376,7 +376,9 @@ class BaseEnv:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Connect to inference, then call ``setup()``."""
+        """Connect to inference (with vLLM: refuse token limits its servers cannot serve,
+        :mod:`environments.framework.limits`), then call ``setup()``. If any of it fails,
+        the env is closed again before the error is raised."""
         from transformers import AutoTokenizer
 
         from environments.inference.chat_template import ChatRenderer
@@ -390,7 +392,10 @@ class BaseEnv:
             await self._connect()
             await self.setup()
         except BaseException:
-            await self.close()  # nothing left open (no "Unclosed client session" at exit)
+            try:  # nothing left open (no "Unclosed client session" at exit)
+                await self.close()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to see
+                log.debug("closing the env after its failed start failed too", exc_info=True)
             raise
 
     async def _connect(self) -> None:
