@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, free_port
 from third_party import verifiers_python
 
+from environments import tool
 from environments.framework.limits import ContextLimitError, context_limit_problems
 from environments.inference.vllm_client import VLLMServerPool
 from lachesis.run.config import RunConfig
@@ -141,3 +142,79 @@ def test_the_start_check_is_an_error_an_env_can_catch(vllm_server):
     with pytest.raises(ContextLimitError, match="max_token_length 4097 does not fit"):
         asyncio.run(env.start())
     assert env._pool._session is None
+
+
+# -- past the server's limit mid-episode (a server whose limit the start check missed) ---
+
+FLOOD_CALL = r'<tool_call>\n\{"name": "flood", "arguments": \{"topic": "x"\}\}\n</tool_call>'
+
+
+@tool
+def flood(topic: str) -> str:
+    """Answers at great length: ~3,500 tokens of the tiny model's byte-level tokenizer.
+
+    Args:
+        topic: ignored.
+    """
+    return "word " * 700
+
+
+def test_a_context_the_server_refuses_mid_episode_ends_it_truncated(vllm_server):
+    """The agent loop run with max_token_length above vLLM's max_model_len (what the start
+    check refuses; here without an env, as against a server that does not report its
+    limit): the tool result pushes the next context past 4096 tokens, vLLM refuses it,
+    and the episode ends truncated after its first turn, as when no room is left: not an
+    inference failure, nothing of the refused context kept."""
+    from transformers import AutoTokenizer
+
+    from environments.framework.agent_loop import run_agent_loop
+    from environments.inference.backends import VLLMBackend
+    from environments.inference.chat_template import ChatRenderer
+    from environments.inference.tool_parsers import get_parser
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(vllm_server.model_dir))
+
+    async def main():
+        async with VLLMServerPool([vllm_server.url]) as pool:
+            backend = VLLMBackend(pool, renderer, {
+                "temperature": 1.0, "structured_outputs": {"regex": FLOOD_CALL}})
+            return await run_agent_loop(
+                backend, renderer, [{"role": "user", "content": "Tell me everything."}],
+                tools=[flood], parser=get_parser("hermes"), max_turns=3,
+                max_token_length=10_000, max_tokens_per_turn=128)
+
+    state = asyncio.run(main())
+    assert state.truncated and state.stop == "max_tokens"
+    [turn] = state.turns
+    assert turn.tool_calls[0].name == "flood" and turn.tool_results == ["word " * 700]
+    assert len(state.tokens) == len(state.masks) == len(state.logprobs) == turn.span[1]
+    assert state.messages[-1]["role"] == "assistant"
+
+
+def test_the_proxy_answers_a_context_the_server_refuses_as_its_own_limit(vllm_server):
+    """The same in the interception proxy: 400 context_length_exceeded, the rollout
+    flagged truncated (scored, not failed), and the refused request leaves the recording
+    as it was."""
+    import openai
+    from test_proxy import START, client_for, echo, running_proxy
+
+    async def main():
+        async with running_proxy(vllm_server, max_token_length=10_000) as (proxy, _, _):
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            first = (await client.chat.completions.create(
+                model="tiny", messages=START)).choices[0].message
+            before = (list(rollout.state.tokens), len(rollout.segments[0].messages))
+            long = START + [echo(first), {"role": "user", "content": "word " * 900}]
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="tiny", messages=long)
+            after = (list(rollout.state.tokens), len(rollout.segments[0].messages))
+            failure = rollout.failure
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return refused.value, before, after, failure, state
+
+    refused, before, after, failure, state = asyncio.run(main())
+    assert refused.code == "context_length_exceeded" and "4096" in refused.message
+    assert after == before and failure is None
+    assert state.truncated and state.stop == "max_tokens" and len(state.turns) == 1

@@ -74,7 +74,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from environments.inference.backends import VLLMBackend
 from environments.inference.chat_template import ChatRenderer, ChatTemplateError
 from environments.inference.tool_parsers import ToolCallParser
-from environments.inference.vllm_client import InferenceError
+from environments.inference.vllm_client import ContextLengthError, InferenceError
 from environments.rollout import AssistantTurn, Rollout
 
 log = logging.getLogger(__name__)
@@ -543,6 +543,7 @@ class InterceptionProxy:
                                "most", "max_turns_exceeded")
 
         segment = rollout.segments[-1] if rollout.segments else None
+        undo = self._undo_point(rollout)
         reason = self._extends(segment, messages, tools_key)
         if reason is None:  # append the new messages as context
             new = messages[len(segment.messages):]
@@ -580,7 +581,14 @@ class InterceptionProxy:
         max_tokens = min(x for x in (room, self.max_tokens_per_turn, body.max_tokens,
                                      body.max_completion_tokens) if x is not None)
         version = self.policy_version()
-        generated = await rollout.backend.generate_from(context, max_tokens)
+        try:
+            generated = await rollout.backend.generate_from(context, max_tokens)
+        except ContextLengthError as error:  # a server whose limit the start check missed
+            undo()
+            rollout.limit = "max_tokens"
+            raise RequestError(f"the conversation has {len(context)} tokens, more than the "
+                               f"inference server serves: {error}",
+                               "context_length_exceeded") from None
         start = len(state.tokens)
         state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
         segment.ended_with_eos = generated.ended_with_eos
@@ -637,6 +645,29 @@ class InterceptionProxy:
         if any(m.rendered["role"] == "assistant" for m in added):
             return "the request adds an assistant message the model did not generate"
         return None
+
+    @staticmethod
+    def _undo_point(rollout: InterceptedRollout) -> Callable[[], None]:
+        """A function that puts ``rollout``'s recording back as it is now (a request
+        refused after its messages were appended leaves nothing behind)."""
+        state = rollout.state
+        n_tokens, n_segments = len(state.tokens), len(rollout.segments)
+        segment = rollout.segments[-1] if rollout.segments else None
+        n_messages = len(segment.messages) if segment is not None else 0
+        turn = state.turns[-1] if state.turns else None
+        n_results = len(turn.tool_results) if turn is not None else 0
+        preserving, n_prompt = state.prefix_preserving, state.n_prompt_tokens
+
+        def undo() -> None:
+            del state.tokens[n_tokens:], state.masks[n_tokens:], state.logprobs[n_tokens:]
+            del rollout.segments[n_segments:]
+            if segment is not None:
+                del segment.messages[n_messages:]
+            if turn is not None:
+                del turn.tool_results[n_results:]
+            state.prefix_preserving, state.n_prompt_tokens = preserving, n_prompt
+
+        return undo
 
     def _check_room(self, rollout: InterceptedRollout, n_context: int) -> None:
         if n_context >= self.max_token_length:

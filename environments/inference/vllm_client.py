@@ -31,6 +31,13 @@ class InferenceError(RuntimeError):
     """A completion could not be obtained (bad request, or every retry failed)."""
 
 
+class ContextLengthError(InferenceError):
+    """The server refused the prompt as longer than its ``max_model_len`` (vLLM: 400,
+    "This model's maximum context length is ..."). The start check
+    (:mod:`environments.framework.limits`) keeps envs' limits within it; this is what a
+    server that did not report its limit, or one restarted with a smaller one, answers."""
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -204,8 +211,10 @@ class VLLMServerPool:
                         raise _ServerFault(f"404, model {self.model!r}: {data}")
                     if response.status >= 400:
                         message = data.get("error", data) if isinstance(data, dict) else data
-                        raise InferenceError(f"{server.url} refused the request "
-                                             f"({response.status}): {message}")
+                        error = ContextLengthError if response.status == 400 and \
+                            "maximum context length" in str(message) else InferenceError
+                        raise error(f"{server.url} refused the request "
+                                    f"({response.status}): {message}")
                 return self._completion(data, server.url)
             except (_ServerFault, aiohttp.ClientError, asyncio.TimeoutError) as error:
                 last_error = f"{server.url}: {type(error).__name__}: {error}"
