@@ -12,9 +12,10 @@ assistant turns have been sampled, or when the token budget (``max_token_length`
 spent (by the context the model is given: the whole trajectory, or its last segment);
 the last two set ``truncated``. So does a context the inference server refuses as longer
 than its ``max_model_len`` after the first turn (a server whose limit the start check
-could not read): the episode ends where the previous turn did, as when no room is left. A tool that raises, times out, gets bad arguments
-or does not exist sends an error message back to the model as the tool result, and is
-counted in ``tool_errors``; so is a malformed tool-call block.
+could not read): the episode ends where the previous turn did, as when no room is left.
+A tool that raises, times out, gets bad arguments or does not exist sends an error
+message back to the model as the tool result, and is counted in ``tool_errors``; so is a
+malformed tool-call block.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from typing import Any, Callable
 
 from environments.framework.tools import Tool, ToolError
 from environments.inference.chat_template import ChatRenderer
-from environments.inference.vllm_client import ContextLengthError
 from environments.inference.tool_parsers import (
     ToolCallParser,
     to_message_tool_calls,
 )
+from environments.inference.vllm_client import ContextLengthError
 from environments.rollout import (  # noqa: F401  (re-exported: their old home)
     AssistantTurn,
     GeneratedTurn,
