@@ -163,7 +163,11 @@ def _env_parser(action: str, name: str | None) -> argparse.ArgumentParser:
                 f"{settings}; `lachesis env {action} NAME --help` lists them."))
     parser.add_argument("--config", type=Path, help="YAML file of settings (top level or under 'env:')")
     if action == "process":
-        parser.add_argument("--out", type=Path, required=True, help="JSONL file to append groups to")
+        parser.add_argument("--out", type=Path, required=True,
+                            help="JSONL file to write the groups to (an existing, non-empty "
+                                 "one is refused unless --append is given)")
+        parser.add_argument("--append", action="store_true",
+                            help="add the groups to --out when it already holds some")
         parser.add_argument("--groups", type=int, required=True, help="number of groups to write")
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -210,11 +214,17 @@ def _run_env(argv: list[str]) -> int:
     config = _settings_from_flags("lachesis env", env_class.config_class, args, names)
     if config is None:
         return 2
+    if known.action == "process" and not args.append and args.out.exists() \
+            and args.out.stat().st_size > 0:
+        print(f"lachesis env process: {args.out} already exists and is not empty; pass "
+              "--append to add the new groups to it, or choose another --out",
+              file=sys.stderr)
+        return 2
 
     async def main() -> dict:
         env = env_class(config)
-        await env.start()
         try:
+            await env.start()
             if known.action == "serve":
                 return await env.serve()
             if known.action == "process":

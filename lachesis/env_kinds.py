@@ -55,7 +55,7 @@ ATROPOS_WIRED = {"env": {"rollout_server_url", "tokenizer_name", "use_wandb",
 def env_facts(name: str, settings: dict) -> dict:
     """What ``lachesis run`` needs to know of the env ``name`` with ``settings`` (checked
     against its config class): ``kind`` (``lachesis`` or ``atropos``), ``group_size``,
-    ``max_token_length``. Raises ValueError (or LookupError: not found) saying what is
+    ``max_token_length``, ``max_tokens_per_turn`` (None: no such setting). Raises ValueError (or LookupError: not found) saying what is
     wrong."""
     atropos = atropos_env_class(name)
     if atropos is not None:
@@ -72,10 +72,11 @@ def env_facts(name: str, settings: dict) -> dict:
         config = type(defaults).model_validate({**defaults.model_dump(),
                                                 **(settings.get("env") or {})})
         return {"kind": "atropos", "group_size": config.group_size,
-                "max_token_length": config.max_token_length}
+                "max_token_length": config.max_token_length, "max_tokens_per_turn": None}
     config = load_env_class(name).config_class.model_validate(settings)
     return {"kind": "lachesis", "group_size": config.group_size,
-            "max_token_length": config.max_token_length}
+            "max_token_length": config.max_token_length,
+            "max_tokens_per_turn": getattr(config, "max_tokens_per_turn", None)}
 
 
 def main(argv: list[str] | None = None) -> int:

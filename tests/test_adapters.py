@@ -293,7 +293,7 @@ def test_both_adapters_keep_the_exact_sampled_tokens(vllm_server, verifiers_env_
             ([sys.executable, "-m", "lachesis.cli", "env", "process",
               f"openenv:{openenv_server}"], dict(os.environ))):
         done = subprocess.run(
-            [*command, "--out", str(out), "--groups", "1",
+            [*command, "--out", str(out), "--append", "--groups", "1",
              *flags(vllm_server, group_size=3, max_turns=3, max_tokens_per_turn=60,
                     keep_equal_score_groups=True,
                     sampling_extra={"logit_bias": bias})],

@@ -132,6 +132,53 @@ def test_an_agent_that_hangs_is_killed_at_the_timeout_and_its_group_fails(vllm_s
     assert not host_processes_mentioning(marker)
 
 
+LONG_AGENT = """
+import sys
+import openai
+client = openai.OpenAI(max_retries=0)
+messages = [{"role": "user", "content": "Count on. " + "one two three " * 40}]
+for _ in range(40):  # the context grows by ~600 tokens a request, until the proxy refuses
+    try:
+        reply = client.chat.completions.create(model="tiny", messages=messages)
+    except openai.BadRequestError as error:
+        print(error.code, file=sys.stderr)
+        sys.exit(4)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                 {"role": "user", "content": "More. " + "four five six " * 40}]
+"""
+
+
+def test_a_long_episode_at_the_servers_limit_ends_truncated_and_its_group_is_kept(
+        vllm_server, tmp_path):
+    """max_token_length equal to vLLM's max_model_len (the most the start check allows):
+    the agent's conversation grows until the proxy refuses it (context_length_exceeded);
+    the rollouts end truncated and are scored, and the group is kept: vLLM refused no
+    request (a refusal would have failed the rollout and dropped the group)."""
+    from vllm_fixture import VLLM_MAX_MODEL_LEN
+
+    env = make_env(vllm_server, tmp_path, command=["python3", "long_agent.py"], max_turns=40,
+                   max_token_length=VLLM_MAX_MODEL_LEN, max_tokens_per_turn=16)
+    write = env.prepare_sandbox
+
+    async def prepare(item, sandbox):
+        await write(item, sandbox)
+        await sandbox.write_file("long_agent.py", LONG_AGENT)
+
+    env.prepare_sandbox = prepare
+    group = one_group(env)
+    assert group is not None and env.stats.groups_failed == 0, env.last_error
+    assert env.agent_stats.limit_exits == 2 and env.agent_stats.refused_requests == 2
+    for t in group.trajectories:
+        # max_tokens: the proxy refused a context past max_token_length (400
+        # context_length_exceeded), and the agent exited on it (its code 4)
+        assert t.flags.truncated and t.metadata["agent"]["limit"] == "max_tokens"
+        assert t.metadata["agent"]["exit_code"] == 4
+        assert len(t.turn_spans) >= 3 and len(t.scores) == len(t.turn_spans)
+        starts = [0, *(t.segment_starts or [])]
+        ends = [*starts[1:], len(t.tokens)]
+        assert max(b - a for a, b in zip(starts, ends)) <= VLLM_MAX_MODEL_LEN
+
+
 @pytest.mark.parametrize("backend", ["docker", "unsafe_subprocess"])
 def test_the_reference_agent_reaches_the_model_from_the_other_backends(vllm_server, tmp_path,
                                                                        request, backend):
@@ -229,7 +276,10 @@ CALCULATOR_CALL_OR_ANSWER = (
 def test_the_custom_agent_example_makes_valid_tool_calls_in_the_sandbox_through_the_proxy(
         vllm_server, tmp_path):
     """examples/calculator_agent: its own openai-client agent, copied into a bwrap sandbox
-    and run there; valid tool calls over several turns give valid groups, exit 0."""
+    and run there; valid tool calls over several turns give valid groups, exit 0. The
+    calls are forced with structured outputs, under which vLLM reports the constrained
+    distribution's logprobs: the trainer's alignment check refuses those groups, and
+    passes the same agent's unconstrained ones (docs/blackbox-agents.md)."""
     done, out = process_cli(
         vllm_server, tmp_path, "examples/calculator_agent/env.py:CalculatorAgentEnv",
         {"group_size": 4, "max_turns": 4, "max_tokens_per_turn": 128,
@@ -268,6 +318,20 @@ def test_the_custom_agent_example_makes_valid_tool_calls_in_the_sandbox_through_
                 assert t.messages[-1].content.startswith("The answer is")
                 assert t.scores[-1] == float(t.messages[-1].content == f"The answer is {a + b}.")
     assert multi_turn >= 1
+
+    # forced tokens: vLLM's logprobs are the constrained distribution's, not the model's
+    forced = train_check(vllm_server.model_dir, out, tmp_path / "check-forced", batch_size=4)
+    assert forced.returncode != 0 and "logprobs differ by" in forced.stderr, forced.stderr[-2000:]
+    # the same agent sampled freely: the recorded logprobs are the model's own
+    (tmp_path / "free").mkdir()
+    done, free = process_cli(
+        vllm_server, tmp_path / "free", "examples/calculator_agent/env.py:CalculatorAgentEnv",
+        {"group_size": 4, "max_turns": 4, "max_tokens_per_turn": 64, "max_token_length": 3500,
+         "agent_timeout_s": 120}, 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check = train_check(vllm_server.model_dir, free, tmp_path / "check-free", batch_size=4)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert json.loads(check.stdout)["alignment_mean_abs_diff"] < 1e-3
 
 
 HANGS_UNLESS_FIRST = '''

@@ -77,6 +77,10 @@ class AgentStats:
     new_segments: int = 0
     """Requests whose history did not extend the recorded one."""
     refused_requests: int = 0
+    """Requests the proxy refused (malformed, or past a limit), summed over rollouts."""
+    refused_without_rollout: int = 0
+    """Requests the proxy refused before it knew their rollout (malformed HTTP, an
+    unknown rollout or path)."""
 
 
 class BlackBoxEnvConfig(SandboxEnvConfig):
@@ -88,8 +92,10 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     max_turns: int = Field(default=16, ge=1)
     """Model calls per rollout at most; further calls are refused (HTTP 400) and the
     rollout is flagged truncated."""
-    max_token_length: int = Field(default=8192, ge=8)
-    """Tokens per trajectory segment at most (prompt included)."""
+    max_token_length: int = Field(default=4096, ge=8)
+    """Tokens per trajectory segment at most (prompt included). It must fit the vLLM
+    servers' ``max_model_len`` (checked at start); a request whose context reaches it is
+    refused (400 ``context_length_exceeded``) and the rollout ends truncated, scored."""
     sandbox_cpu_time_s: int = Field(default=600, ge=1)
     """CPU seconds per process (the agent is one long-lived process)."""
     sandbox_memory_mb: int = Field(default=2048, ge=16)
@@ -245,4 +251,6 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         return trajectory
 
     def describe_stats(self) -> dict[str, Any]:
+        if self.proxy is not None:
+            self.agent_stats.refused_without_rollout = self.proxy.refused_without_rollout
         return {**super().describe_stats(), "agent": asdict(self.agent_stats)}

@@ -34,6 +34,20 @@ Anything else the agent asks for that cannot be honoured exactly (``n > 1``, non
 content) is refused with 400 and a message naming the field; sampling fields are ignored
 (see above; ``max_tokens`` only shortens).
 
+Client mistakes: every malformed request gets a 4xx in the OpenAI error form
+(``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field, e.g.
+``messages[2].tool_calls[0].function.arguments``, or ``body``), is counted in the
+rollout's ``refused`` and logged as one line, and leaves the recorded trajectory as it
+was: a body that is not JSON (bad UTF-8, lone surrogates, truncated, nested deeper than
+200 levels, numbers past 4300 digits: 400 ``invalid_json``), a field of the wrong type
+(sampling fields too, although their values are ignored: 400 ``invalid_request``), a body
+over ``max_request_bytes`` (413, also after gzip decompression), an unreadable compressed
+body (400). What aiohttp's HTTP parser cannot read (a bad request line, header,
+Content-Length or chunk) it answers 400 itself; the proxy counts those
+(``refused_without_rollout``, with unknown rollouts and paths) and logs one line without
+aiohttp's traceback. A 5xx means a vLLM failure (502) or a bug of the proxy (500, logged
+with its traceback); either fails the rollout.
+
 The rollout's trajectory (:meth:`InterceptedRollout.to_rollout_state`) is one token
 sequence: its segments one after the other, with ``segment_starts`` marking where each new
 context begins (the trainer trains each segment as its own row).
@@ -53,40 +67,80 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from environments.inference.backends import VLLMBackend
 from environments.inference.chat_template import ChatRenderer, ChatTemplateError
 from environments.inference.tool_parsers import ToolCallParser
-from environments.inference.vllm_client import InferenceError
+from environments.inference.vllm_client import ContextLengthError, InferenceError
 from environments.rollout import AssistantTurn, Rollout
 
 log = logging.getLogger(__name__)
 
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+"""The largest request body the proxy reads (413 above it)."""
+
 
 class ChatCompletionRequest(BaseModel):
-    """The fields of an OpenAI chat-completions request the proxy reads; others are
-    accepted and ignored (sampling is the env's). ``max_tokens`` and
-    ``max_completion_tokens`` may only shorten a reply below the env's limits."""
+    """The fields of an OpenAI chat-completions request the proxy reads or type-checks;
+    others are accepted and ignored (sampling is the env's). ``max_tokens`` and
+    ``max_completion_tokens`` may only shorten a reply below the env's limits. The
+    sampling fields are ignored, but a value of the wrong type is still refused (400,
+    naming the field), as the OpenAI API would."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[Any] = Field(min_length=1)
+    """Checked one by one (:func:`normalize_message`), so that errors name the field."""
+    tools: list[Any] | None = None
+    """Checked by :func:`check_tools`."""
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
+    # ignored (the env's sampling applies), but typed
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class RequestError(ValueError):
-    """A request the proxy refuses (HTTP 400), with an OpenAI-style error code."""
+    """A request the proxy refuses (HTTP 400 unless ``status`` says otherwise), with an
+    OpenAI-style error code and the field it is about (``param``, e.g.
+    ``messages[2].tool_calls[0].function.name``)."""
 
-    def __init__(self, message: str, code: str = "invalid_request"):
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None,
+                 status: int = 400):
         super().__init__(message)
         self.code = code
+        self.param = param
+        self.status = status
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else {dict: "object", list: "array", str: "string",
+                                         bool: "boolean", int: "number", float: "number"}.get(
+        type(value), type(value).__name__)
+
+
+def _check_text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{where}: must be a string, got {_type_name(value)}", param=where)
+    return value
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -98,13 +152,44 @@ def _text_content(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"{where}.content[{i}]: only text parts are supported, "
-                                   f"got {kind!r}")
-            parts.append(str(part.get("text", "")))
+            at = f"{where}.content[{i}]"
+            if not isinstance(part, dict):
+                raise RequestError(f"{at}: must be a content part object, got "
+                                   f"{_type_name(part)}", param=at)
+            if part.get("type") != "text":
+                raise RequestError(f"{at}: only text parts are supported, got "
+                                   f"{part.get('type')!r}", param=f"{at}.type")
+            parts.append(_check_text(part.get("text"), f"{at}.text"))
         return "".join(parts)
-    raise RequestError(f"{where}.content: must be a string, null or a list of text parts")
+    raise RequestError(f"{where}.content: must be a string, null or a list of text parts, "
+                       f"got {_type_name(content)}", param=f"{where}.content")
+
+
+def check_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """The request's ``tools``: each ``{"type": "function", "function": {"name": str,
+    "description"?: str, "parameters"?: object}}``; anything else is refused naming it."""
+    if not tools:
+        return None
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise RequestError(f"{where}: must be an object, got {_type_name(tool)}", param=where)
+        if tool.get("type", "function") != "function":
+            raise RequestError(f"{where}.type: only function tools are supported, got "
+                               f"{tool.get('type')!r}", param=f"{where}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise RequestError(f"{where}.function: must be an object, got "
+                               f"{_type_name(function)}", param=f"{where}.function")
+        _check_text(function.get("name"), f"{where}.function.name")
+        if function.get("description") is not None:
+            _check_text(function["description"], f"{where}.function.description")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise RequestError(f"{where}.function.parameters: must be a JSON schema object, "
+                               f"got {_type_name(parameters)}",
+                               param=f"{where}.function.parameters")
+    return tools
 
 
 def _arguments(value: Any) -> Any:
@@ -125,35 +210,66 @@ class Message:
     key: str
 
 
-def normalize_message(message: dict[str, Any], index: int) -> Message:
+def normalize_message(message: Any, index: int) -> Message:
     """An OpenAI message as the chat template's input plus a comparison key (role,
-    text, tool calls by name and parsed arguments; call ids and formatting left out)."""
+    text, tool calls by name and parsed arguments; call ids and formatting left out).
+    A field of the wrong type is refused (:class:`RequestError` naming it)."""
     where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise RequestError(f"{where}: must be a message object, got {_type_name(message)}",
+                           param=where)
     role = message.get("role")
     if role == "developer":
         role = "system"
     if role not in ("system", "user", "assistant", "tool"):
-        raise RequestError(f"{where}.role: {role!r} is not system, developer, user, "
-                           "assistant or tool")
+        got = "missing" if role is None else f"{role!r} is not"
+        raise RequestError(f"{where}.role: {got} system, developer, user, assistant or tool",
+                           param=f"{where}.role")
     text = _text_content(message.get("content"), where)
+    if message.get("name") is not None:
+        _check_text(message["name"], f"{where}.name")
     rendered: dict[str, Any] = {"role": role, "content": text}
     calls = []
-    if role == "assistant" and message.get("tool_calls"):
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and role != "assistant":
+        raise RequestError(f"{where}.tool_calls: only assistant messages have tool calls",
+                           param=f"{where}.tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise RequestError(f"{where}.tool_calls: must be an array of tool calls, got "
+                           f"{_type_name(tool_calls)}", param=f"{where}.tool_calls")
+    if tool_calls:
         rendered_calls = []
-        for j, call in enumerate(message["tool_calls"]):
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise RequestError(f"{where}.tool_calls[{j}].function.name: missing")
-            arguments = _arguments(function.get("arguments", "{}"))
-            calls.append([function["name"], arguments])
+        for j, call in enumerate(tool_calls):
+            at = f"{where}.tool_calls[{j}]"
+            if not isinstance(call, dict):
+                raise RequestError(f"{at}: must be a tool call object, got {_type_name(call)}",
+                                   param=at)
+            if call.get("type", "function") != "function":
+                raise RequestError(f"{at}.type: only function calls are supported, got "
+                                   f"{call.get('type')!r}", param=f"{at}.type")
+            if call.get("id") is not None:
+                _check_text(call["id"], f"{at}.id")
+            function = call.get("function")
+            if not isinstance(function, dict):
+                raise RequestError(f"{at}.function: must be an object with name and arguments, "
+                                   f"got {_type_name(function)}", param=f"{at}.function")
+            name = _check_text(function.get("name"), f"{at}.function.name")
+            raw_arguments = function.get("arguments", "{}")
+            if not isinstance(raw_arguments, (str, dict)):
+                raise RequestError(f"{at}.function.arguments: must be a JSON string (or an "
+                                   f"object), got {_type_name(raw_arguments)}",
+                                   param=f"{at}.function.arguments")
+            arguments = _arguments(raw_arguments)
+            calls.append([name, arguments])
             rendered_calls.append({
-                **({"id": call["id"]} if isinstance(call.get("id"), str) else {}),
-                "type": "function", "function": {"name": function["name"],
-                                                 "arguments": arguments}})
+                **({"id": call["id"]} if call.get("id") is not None else {}),
+                "type": "function", "function": {"name": name, "arguments": arguments}})
         rendered["tool_calls"] = rendered_calls
     if role == "tool":
+        if message.get("tool_call_id") is not None:
+            _check_text(message["tool_call_id"], f"{where}.tool_call_id")
         for name in ("tool_call_id", "name"):
-            if isinstance(message.get(name), str):
+            if message.get(name) is not None:
                 rendered[name] = message[name]
     key = json.dumps([role, text, calls], sort_keys=True, default=str)
     return Message(rendered, key)
@@ -235,7 +351,8 @@ class InterceptionProxy:
     def __init__(self, backend: VLLMBackend, parser: ToolCallParser, *, max_turns: int,
                  max_token_length: int, max_tokens_per_turn: int | None = None,
                  model_name: str = "policy",
-                 policy_version: Callable[[], int | None] = lambda: None):
+                 policy_version: Callable[[], int | None] = lambda: None,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         self.backend = backend
         self.renderer: ChatRenderer = backend.renderer
         self.parser = parser
@@ -245,7 +362,12 @@ class InterceptionProxy:
         self.model_name = model_name
         self.policy_version = policy_version
         self.rollouts: dict[str, InterceptedRollout] = {}
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.max_request_bytes = max_request_bytes
+        self.refused_without_rollout = 0
+        """Requests refused before a rollout could be told (malformed HTTP, an unknown
+        rollout or path); a rollout's own refusals are counted in its ``refused``."""
+        self.app = web.Application(client_max_size=max_request_bytes,
+                                   middlewares=[self._errors_as_json])
         self.app.router.add_post("/rollout/{rollout}/v1/chat/completions", self._chat)
         self.app.router.add_get("/rollout/{rollout}/v1/models", self._models)
         self._runner: web.AppRunner | None = None
@@ -257,7 +379,7 @@ class InterceptionProxy:
                     unix_path: str | Path | None = None) -> None:
         """Listen on ``host:port`` (0: any free port; ``self.url`` says which) and, if
         given, on the Unix socket ``unix_path`` (how sandboxed agents reach it)."""
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = web.AppRunner(self.app, access_log=None, logger=_HTTPErrorLog(self))
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -297,16 +419,40 @@ class InterceptionProxy:
 
     # -- HTTP ----------------------------------------------------------------------------
     @staticmethod
-    def _error(status: int, message: str, code: str, kind: str = "invalid_request_error"
-               ) -> web.Response:
-        return web.json_response({"error": {"message": message, "type": kind, "code": code}},
-                                 status=status)
+    def _error(status: int, message: str, code: str, kind: str = "invalid_request_error",
+               param: str | None = None) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": kind, "param": param,
+                                            "code": code}}, status=status)
+
+    def _refuse(self, rollout: InterceptedRollout, error: RequestError) -> web.Response:
+        """Count and answer a refused request (one log line, no traceback)."""
+        rollout.refused += 1
+        log.info("rollout %s: refused a request (%d, %s): %s", rollout.id, error.status,
+                 error.code, error)
+        response = self._error(error.status, str(error), error.code, param=error.param)
+        if error.status == 413 or error.code == "unreadable_body":
+            response.force_close()  # the rest of the body is not read
+        return response
+
+    @web.middleware
+    async def _errors_as_json(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp's own refusals (unknown path 404, wrong method 405) as OpenAI errors."""
+        try:
+            return await handler(request)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            self.refused_without_rollout += 1
+            kind = "not_found_error" if error.status in (404, 405) else "invalid_request_error"
+            return self._error(error.status, f"{request.method} {request.path}: {error.reason}",
+                               error.reason.lower().replace(" ", "_"), kind)
 
     def _authorize(self, request: web.Request) -> InterceptedRollout | web.Response:
         rollout_id = request.match_info["rollout"]
         rollout = self.rollouts.get(rollout_id)
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if rollout is None:
+            self.refused_without_rollout += 1
             return self._error(404, f"unknown or finished rollout {rollout_id!r}",
                                "rollout_not_found", "not_found_error")
         if not hmac.compare_digest(given.encode(), rollout.token.encode()):
@@ -325,15 +471,40 @@ class InterceptionProxy:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lachesis"}]})
 
+    async def _read_request(self, request: web.Request) -> ChatCompletionRequest:
+        """The request body, parsed and type-checked; :class:`RequestError` (naming the
+        field, or ``body``) for anything unreadable or malformed."""
+        limit = self.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestError(f"the request body has {request.content_length} bytes; the "
+                               f"proxy takes {limit} at most", "request_too_large", "body", 413)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(f"the request body is over the proxy's {limit}-byte limit",
+                               "request_too_large", "body", 413) from None
+        except Exception as error:  # a broken gzip stream, a bad chunked encoding
+            raise RequestError(f"unreadable request body ({type(error).__name__}: "
+                               f"{str(error).strip()})", "unreadable_body", "body") from None
+        try:
+            return ChatCompletionRequest.model_validate_json(raw)
+        except ValidationError as error:
+            first = error.errors()[0]
+            if first["type"] == "json_invalid":  # also bad UTF-8, lone surrogates, nesting
+                raise RequestError(f"the body is not valid JSON: {first['msg']}", "invalid_json",
+                                   "body") from None
+            # the top-level field (a union's member names are not fields)
+            where = str(first["loc"][0]) if first["loc"] else "body"
+            raise RequestError(f"{where}: {first['msg']}", "invalid_request", where) from None
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         rollout = self._authorize(request)
         if isinstance(rollout, web.Response):
             return rollout
         try:
-            body = ChatCompletionRequest.model_validate(await request.json())
-        except (json.JSONDecodeError, ValidationError) as error:
-            rollout.refused += 1
-            return self._error(400, f"bad request body: {error}", "invalid_request")
+            body = await self._read_request(request)
+        except RequestError as error:
+            return self._refuse(rollout, error)
         async with rollout.lock:
             if rollout.finished:
                 return self._error(410, "rollout has finished", "rollout_finished")
@@ -341,13 +512,17 @@ class InterceptionProxy:
             try:
                 reply = await self._turn(rollout, body)
             except RequestError as error:
-                rollout.refused += 1
-                return self._error(400, str(error), error.code)
+                return self._refuse(rollout, error)
             except InferenceError as error:
                 rollout.failure = str(error)
                 log.error("rollout %s: inference failed: %s", rollout.id, error)
                 return self._error(502, f"inference failed: {error}", "inference_failed",
                                    "api_error")
+            except Exception as error:  # a bug of the proxy: the rollout cannot be trusted
+                rollout.failure = f"proxy error: {type(error).__name__}: {error}"
+                log.exception("rollout %s: the proxy failed on a request", rollout.id)
+                return self._error(500, f"the proxy failed: {type(error).__name__}: {error}",
+                                   "proxy_error", "api_error")
         if body.stream:
             return await self._stream(request, reply, body)
         return web.json_response(reply)
@@ -356,9 +531,10 @@ class InterceptionProxy:
     async def _turn(self, rollout: InterceptedRollout, body: ChatCompletionRequest
                     ) -> dict[str, Any]:
         if body.n != 1:
-            raise RequestError(f"n: only 1 choice per request is supported, got {body.n}")
+            raise RequestError(f"n: only 1 choice per request is supported, got {body.n}",
+                               param="n")
         messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
-        tools = body.tools or None
+        tools = check_tools(body.tools)
         tools_key = json.dumps(tools, sort_keys=True, default=str)
         state = rollout.state
         if len(state.turns) >= self.max_turns:
@@ -367,6 +543,7 @@ class InterceptionProxy:
                                "most", "max_turns_exceeded")
 
         segment = rollout.segments[-1] if rollout.segments else None
+        undo = self._undo_point(rollout)
         reason = self._extends(segment, messages, tools_key)
         if reason is None:  # append the new messages as context
             new = messages[len(segment.messages):]
@@ -384,7 +561,10 @@ class InterceptionProxy:
                 state.append(continuation.token_ids, sampled=False)
                 segment.messages += new
         if reason is not None:  # a new context
-            prompt = self.renderer.prompt_ids([m.rendered for m in messages], tools)
+            try:
+                prompt = self.renderer.prompt_ids([m.rendered for m in messages], tools)
+            except ChatTemplateError as error:
+                raise RequestError(f"messages: {error}", param="messages") from None
             self._check_room(rollout, len(prompt))
             if segment is not None:
                 log.info("rollout %s: new segment at token %d: %s", rollout.id,
@@ -401,7 +581,14 @@ class InterceptionProxy:
         max_tokens = min(x for x in (room, self.max_tokens_per_turn, body.max_tokens,
                                      body.max_completion_tokens) if x is not None)
         version = self.policy_version()
-        generated = await rollout.backend.generate_from(context, max_tokens)
+        try:
+            generated = await rollout.backend.generate_from(context, max_tokens)
+        except ContextLengthError as error:  # a server whose limit the start check missed
+            undo()
+            rollout.limit = "max_tokens"
+            raise RequestError(f"the conversation has {len(context)} tokens, more than the "
+                               f"inference server serves: {error}",
+                               "context_length_exceeded") from None
         start = len(state.tokens)
         state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
         segment.ended_with_eos = generated.ended_with_eos
@@ -459,6 +646,29 @@ class InterceptionProxy:
             return "the request adds an assistant message the model did not generate"
         return None
 
+    @staticmethod
+    def _undo_point(rollout: InterceptedRollout) -> Callable[[], None]:
+        """A function that puts ``rollout``'s recording back as it is now (a request
+        refused after its messages were appended leaves nothing behind)."""
+        state = rollout.state
+        n_tokens, n_segments = len(state.tokens), len(rollout.segments)
+        segment = rollout.segments[-1] if rollout.segments else None
+        n_messages = len(segment.messages) if segment is not None else 0
+        turn = state.turns[-1] if state.turns else None
+        n_results = len(turn.tool_results) if turn is not None else 0
+        preserving, n_prompt = state.prefix_preserving, state.n_prompt_tokens
+
+        def undo() -> None:
+            del state.tokens[n_tokens:], state.masks[n_tokens:], state.logprobs[n_tokens:]
+            del rollout.segments[n_segments:]
+            if segment is not None:
+                del segment.messages[n_messages:]
+            if turn is not None:
+                del turn.tool_results[n_results:]
+            state.prefix_preserving, state.n_prompt_tokens = preserving, n_prompt
+
+        return undo
+
     def _check_room(self, rollout: InterceptedRollout, n_context: int) -> None:
         if n_context >= self.max_token_length:
             rollout.limit = "max_tokens"
@@ -489,15 +699,50 @@ class InterceptionProxy:
                                          "finish_reason": finish}], **extra}
             return f"data: {json.dumps(data)}\n\n".encode()
 
-        await response.write(chunk({"role": "assistant", "content": ""}))
+        events = [chunk({"role": "assistant", "content": ""})]
         if message.get("content"):
-            await response.write(chunk({"content": message["content"]}))
+            events.append(chunk({"content": message["content"]}))
         for j, call in enumerate(message.get("tool_calls", [])):
-            await response.write(chunk({"tool_calls": [{"index": j, **call}]}))
-        await response.write(chunk({}, choice["finish_reason"]))
+            events.append(chunk({"tool_calls": [{"index": j, **call}]}))
+        events.append(chunk({}, choice["finish_reason"]))
         if (body.stream_options or {}).get("include_usage"):
             data = {**base, "choices": [], "usage": reply["usage"]}
-            await response.write(f"data: {json.dumps(data)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            events.append(f"data: {json.dumps(data)}\n\n".encode())
+        events.append(b"data: [DONE]\n\n")
+        try:
+            for event in events:
+                await response.write(event)
+            await response.write_eof()
+        except ConnectionResetError:  # the agent hung up; the turn is recorded all the same
+            log.info("the agent disconnected during the streamed reply %s", reply["id"])
         return response
+
+
+class _HTTPErrorLog(logging.LoggerAdapter):
+    """aiohttp's server log for the proxy. A request aiohttp's HTTP parser cannot read (a
+    bad request line, header, Content-Length or chunk; a broken compressed body) is the
+    client's mistake: aiohttp answers it 400 itself, and here it is counted and logged as
+    one line, without aiohttp's traceback. Anything else is logged as aiohttp logs it."""
+
+    def __init__(self, proxy: InterceptionProxy):
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.proxy = proxy
+
+    def _client_mistake(self, exc_info: Any) -> bool:
+        if isinstance(exc_info, RequestPayloadError):  # a body the proxy already refused
+            log.debug("the refused request's body: %s", " ".join(str(exc_info).split()))
+            return True
+        if not isinstance(exc_info, HttpProcessingError):
+            return False
+        self.proxy.refused_without_rollout += 1
+        log.warning("refused a malformed HTTP request: %s",
+                    " ".join(str(exc_info).split())[:300])
+        return True
+
+    def exception(self, msg: Any, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
+        if not self._client_mistake(exc_info):
+            self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
+
+    def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        if not self._client_mistake(kwargs.get("exc_info")):
+            self.logger.debug(msg, *args, **kwargs)

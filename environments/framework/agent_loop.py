@@ -10,9 +10,12 @@ An episode ends when the model answers without calling a tool, when the environm
 behind the tools says it is over (``episode_done``), when ``max_turns``
 assistant turns have been sampled, or when the token budget (``max_token_length``) is
 spent (by the context the model is given: the whole trajectory, or its last segment);
-the last two set ``truncated``. A tool that raises, times out, gets bad arguments
-or does not exist sends an error message back to the model as the tool result, and is
-counted in ``tool_errors``; so is a malformed tool-call block.
+the last two set ``truncated``. So does a context the inference server refuses as longer
+than its ``max_model_len`` after the first turn (a server whose limit the start check
+could not read): the episode ends where the previous turn did, as when no room is left.
+A tool that raises, times out, gets bad arguments or does not exist sends an error
+message back to the model as the tool result, and is counted in ``tool_errors``; so is a
+malformed tool-call block.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from environments.inference.tool_parsers import (
     ToolCallParser,
     to_message_tool_calls,
 )
+from environments.inference.vllm_client import ContextLengthError
 from environments.rollout import (  # noqa: F401  (re-exported: their old home)
     AssistantTurn,
     GeneratedTurn,
@@ -90,11 +94,25 @@ async def run_agent_loop(
     state.append(prompt, sampled=False)
     state.n_prompt_tokens = len(prompt)
 
+    undo = None  # how to take back the last continuation, if the server refuses it
     for turn_index in range(max_turns):
         budget = max_token_length - len(state.context)
         max_tokens = min(budget, max_tokens_per_turn or budget)
         version = policy_version() if callable(policy_version) else policy_version
-        generated = await backend.generate(state, max_tokens)
+        try:
+            generated = await backend.generate(state, max_tokens)
+        except ContextLengthError:
+            if undo is None:
+                raise  # the prompt alone is too long for the server: the rollout fails
+            n_tokens, n_messages, n_starts, segments = undo
+            del state.tokens[n_tokens:], state.masks[n_tokens:], state.logprobs[n_tokens:]
+            del state.messages[n_messages:], state.segment_starts[n_starts:]
+            if segments is None:
+                state.extra.pop("segments", None)
+            else:
+                state.extra["segments"] = segments
+            state.truncated, state.stop = True, "max_tokens"  # as with no room left
+            break
         start = len(state.tokens)
         state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
 
@@ -136,6 +154,9 @@ async def run_agent_loop(
 
         continuation = renderer.continuation(state.messages, new_messages, schemas,
                                              ended_with_eos=generated.ended_with_eos)
+        segments = state.extra.get("segments")
+        undo = (len(state.tokens), len(state.messages), len(state.segment_starts),
+                None if segments is None else [dict(s) for s in segments])
         state.prefix_preserving &= continuation.prefix_preserving
         new_context = not continuation.prefix_preserving and reasoning_history == "rerender"
         following = renderer.prompt_ids(state.messages + new_messages, schemas) \

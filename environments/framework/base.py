@@ -54,6 +54,7 @@ from environments.framework.agent_loop import (
     observation_anchors,
     run_agent_loop,
 )
+from environments.framework.limits import check_context_limits
 from environments.framework.rewards import (
     RewardFunction,
     combine_rewards,
@@ -375,22 +376,41 @@ class BaseEnv:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Connect to inference, then call ``setup()``."""
+        """Connect to inference (with vLLM: refuse token limits its servers cannot serve,
+        :mod:`environments.framework.limits`), then call ``setup()``. If any of it fails,
+        the env is closed again before the error is raised."""
         from transformers import AutoTokenizer
 
-        from environments.inference.backends import OpenAIBackend, VLLMBackend
         from environments.inference.chat_template import ChatRenderer
-        from environments.inference.vllm_client import VLLMServerPool
 
         config = self.config
         if config.tokenizer is None and config.model is None:
             raise ValueError("set `tokenizer` (a HF tokenizer path or name) to render prompts")
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.renderer = ChatRenderer(tokenizer)
+        try:
+            await self._connect()
+            await self.setup()
+        except BaseException:
+            try:  # nothing left open (no "Unclosed client session" at exit)
+                await self.close()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to see
+                log.debug("closing the env after its failed start failed too", exc_info=True)
+            raise
+
+    async def _connect(self) -> None:
+        """The inference backends; with vLLM, the env's token limits checked against
+        every server's ``max_model_len`` (:mod:`environments.framework.limits`)."""
+        from environments.inference.backends import OpenAIBackend, VLLMBackend
+        from environments.inference.vllm_client import VLLMServerPool
+
+        config = self.config
         if config.inference == "vllm":
             self._pool = VLLMServerPool(config.inference_servers, config.model,
                                         timeout_s=config.request_timeout_s)
             await self._pool.start()
+            check_context_limits(config.max_token_length, config.max_tokens_per_turn,
+                                 self._pool.context_limits, self._pool.model)
             self.backend = VLLMBackend(self._pool, self.renderer, config.sampling())
             self.eval_backend = VLLMBackend(self._pool, self.renderer,
                                             config.sampling(evaluation=True))
@@ -408,7 +428,6 @@ class BaseEnv:
                              if k in ("temperature", "top_p")}
             self.backend = OpenAIBackend(client, config.model, self.renderer, sampling)
             self.eval_backend = OpenAIBackend(client, config.model, self.renderer, eval_sampling)
-        await self.setup()
 
     def use_policy_model(self, name: str) -> None:
         """Send the next vLLM requests to model ``name``: the trainer's newest policy when

@@ -79,9 +79,19 @@ class ChatRenderer:
     # -- rendering ---------------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None = None, *,
                add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+        """The template's text; :class:`ChatTemplateError` when the template refuses the
+        messages (its ``raise_exception``, or a Jinja error on odd input)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except Exception as error:
+            import jinja2  # the templates' engine (transformers needs it to render them)
+
+            if isinstance(error, jinja2.TemplateError):
+                raise ChatTemplateError(f"the chat template cannot render these messages: "
+                                        f"{error}") from error
+            raise
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -31,6 +31,13 @@ class InferenceError(RuntimeError):
     """A completion could not be obtained (bad request, or every retry failed)."""
 
 
+class ContextLengthError(InferenceError):
+    """The server refused the prompt as longer than its ``max_model_len`` (vLLM: 400,
+    "This model's maximum context length is ..."). The start check
+    (:mod:`environments.framework.limits`) keeps envs' limits within it; this is what a
+    server that did not report its limit, or one restarted with a smaller one, answers."""
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -50,6 +57,9 @@ class ServerState:
     requests: int = 0
     failures: int = 0
     last_error: str | None = None
+    max_model_len: int | None = None
+    """The longest sequence (prompt plus completion) it serves, as its ``/v1/models``
+    said at start (vLLM reports it; None: not said, or the server was down)."""
 
 
 @dataclass
@@ -89,17 +99,43 @@ class VLLMServerPool:
         await self.close()
 
     async def start(self) -> None:
-        """Check every server once, learn the served model name, start health checks."""
+        """Check every server once, learn the served model name and each server's
+        ``max_model_len`` (``/v1/models``), start health checks."""
         await asyncio.gather(*(self._check(s) for s in self.servers))
-        if not any(s.healthy for s in self.servers):
+        healthy = [s for s in self.servers if s.healthy]
+        if not healthy:
             raise InferenceError("no inference server is healthy: " + "; ".join(
                 f"{s.url}: {s.last_error}" for s in self.servers))
+        listed = await asyncio.gather(*(self._models(s) for s in healthy))
         if self.model is None:
-            healthy = next(s for s in self.servers if s.healthy)
-            async with self.session.get(healthy.url + "/v1/models") as response:
-                data = await response.json()
-            self.model = data["data"][0]["id"]
+            first = next((models for models in listed if models), None)
+            if first is None:
+                raise InferenceError(f"{healthy[0].url}/v1/models lists no model; set the "
+                                     "model name")
+            self.model = first[0]["id"]
+        for server, models in zip(healthy, listed):
+            entry = next((m for m in models if m.get("id") == self.model),
+                         models[0] if models else {})
+            limit = entry.get("max_model_len")
+            server.max_model_len = limit if type(limit) is int and limit > 0 else None
         self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _models(self, server: ServerState) -> list[dict[str, Any]]:
+        """The entries of ``server``'s ``GET /v1/models`` (empty when it cannot say)."""
+        try:
+            async with self.session.get(server.url + "/v1/models",
+                                        timeout=aiohttp.ClientTimeout(total=30)) as response:
+                data = await response.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            log.warning("GET %s/v1/models failed: %s", server.url, error)
+            return []
+        models = data.get("data") if isinstance(data, dict) else None
+        return [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+
+    @property
+    def context_limits(self) -> dict[str, int | None]:
+        """Each server's ``max_model_len`` as read at start (None: unknown)."""
+        return {s.url: s.max_model_len for s in self.servers}
 
     async def close(self) -> None:
         if self._health_task is not None:
@@ -175,8 +211,10 @@ class VLLMServerPool:
                         raise _ServerFault(f"404, model {self.model!r}: {data}")
                     if response.status >= 400:
                         message = data.get("error", data) if isinstance(data, dict) else data
-                        raise InferenceError(f"{server.url} refused the request "
-                                             f"({response.status}): {message}")
+                        error = ContextLengthError if response.status == 400 and \
+                            "maximum context length" in str(message) else InferenceError
+                        raise error(f"{server.url} refused the request "
+                                    f"({response.status}): {message}")
                 return self._completion(data, server.url)
             except (_ServerFault, aiohttp.ClientError, asyncio.TimeoutError) as error:
                 last_error = f"{server.url}: {type(error).__name__}: {error}"

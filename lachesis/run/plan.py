@@ -9,7 +9,10 @@ What is checked (each problem is one line saying what to change):
 * devices asked for that this machine does not have;
 * each env's group size divides the trainer's batch;
 * the model's vocabulary holds every id of the tokenizer, and the tokenizer has a chat
-  template the rollouts can use.
+  template the rollouts can use;
+* each env's ``max_token_length`` and ``max_tokens_per_turn`` fit the vLLM servers'
+  ``vllm.max_model_len`` (:mod:`environments.framework.limits`; each env checks the same
+  against its servers' reported ``max_model_len`` again when it starts).
 
 More checks plug in through :data:`PLAN_CHECKS`.
 """
@@ -38,10 +41,37 @@ class Plan:
 
 
 PlanCheck = Callable[[Plan], list[str]]
-PLAN_CHECKS: list[PlanCheck] = []
+
+
+def context_limit_problems(plan: Plan) -> list[str]:
+    """Every env whose ``max_token_length`` or ``max_tokens_per_turn`` does not fit
+    ``vllm.max_model_len``: vLLM would refuse its long contexts mid-episode and drop their
+    groups (:mod:`environments.framework.limits`)."""
+    from environments.framework.limits import context_limit_problems as problems_of
+
+    config = plan.config
+    max_model_len = config.vllm.max_model_len
+    problems = []
+    if any(arg.split("=")[0] == "--max-model-len" for arg in config.vllm.args):
+        problems.append("vllm.args: set vllm.max_model_len instead of --max-model-len (the "
+                        "envs' token limits are checked against vllm.max_model_len)")
+    for i, env in enumerate(config.envs):
+        try:
+            facts = env_facts(env)
+        except (ValueError, LookupError, OSError):
+            continue  # reported by the section checks
+        where = f"envs[{i}].settings" + (".env" if facts["kind"] == "atropos" else "")
+        problems += [f"env {env.name}: {p}" for p in problems_of(
+            facts["max_token_length"], facts.get("max_tokens_per_turn"), max_model_len,
+            f"vllm.max_model_len {max_model_len}",
+            env_setting=lambda name, where=where: f"{where}.{name}",
+            server_fix=lambda n: f"vllm.max_model_len to {n} or more")]
+    return problems
+
+
+PLAN_CHECKS: list[PlanCheck] = [context_limit_problems]
 """More checks of a plan, each returning its problems (one line each); ``--plan`` prints
-them and ``lachesis run`` refuses to start on them. The check that each env's
-``max_token_length`` fits the servers' ``max_model_len`` belongs here."""
+them and ``lachesis run`` refuses to start on them."""
 
 
 def device_count() -> int:
