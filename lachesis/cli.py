@@ -333,7 +333,12 @@ def _run_run(args: argparse.Namespace) -> int:
     if args.plan:
         from lachesis.run.plan import print_plan
 
-        return print_plan(config)
+        code = print_plan(config, check_devices=args.ray is None)
+        if args.ray is not None:
+            from lachesis.run.ray_cluster import print_ray_plan
+
+            code = max(code, print_ray_plan(config, args.ray))
+        return code
     return run(config, fresh=args.fresh, resume=args.resume, ray_address=args.ray)
 
 

@@ -121,6 +121,36 @@ def ray_problems(config: RunConfig, nodes: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def print_ray_plan(config: RunConfig, address: str) -> int:
+    """``--plan --ray ADDRESS``: the cluster's nodes and what cannot work on it (0: none);
+    where each process goes is Ray's choice at start, within what the config names."""
+    try:
+        nodes = alive_nodes(connect(address))
+    except RayUnavailable as error:
+        print(f"ray: {error}", flush=True)
+        return 1
+    lines = ["", f"Ray cluster at {address}: {len(nodes)} node(s) (the hosts and ports above "
+             "are this machine's; on the cluster each process gets its node's)"]
+    for node in nodes:
+        resources = {k: v for k, v in node.get("Resources", {}).items()
+                     if not k.startswith(("node:", "memory", "object_store_memory"))}
+        lines.append(f"  {node.get('NodeManagerHostname', '?')} "
+                     f"({node.get('NodeManagerAddress', '?')}): "
+                     + ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items())))
+    placed = [f"trainer: {config.train_nproc} rank(s), {config.ray.trainer_strategy}"]
+    placed += [f"{pattern}: where {resource} is"
+               for pattern, resource in sorted(config.ray.nodes.items())]
+    lines.append("placement: " + "; ".join(placed))
+    problems = ray_problems(config, nodes)
+    if problems:
+        lines.append(f"problems on the cluster ({len(problems)}): the run would not start")
+        lines += [f"  - {p}" for p in problems]
+    else:
+        lines.append("problems on the cluster: none found")
+    print("\n".join(lines), flush=True)
+    return 1 if problems else 0
+
+
 class ProcessRunner:
     """A Ray actor that runs the commands of one place of the run as its children and
     hands their output and exits to the supervisor. (Made a Ray actor class by

@@ -272,7 +272,8 @@ class Supervisor:
         config, run_dir = self.config, self.run_dir
         from lachesis.run.plan import make_plan
 
-        problems = make_plan(config).problems  # what --plan flags stops the run here
+        # What --plan flags stops the run here (on a Ray cluster, Ray gives out the GPUs).
+        problems = make_plan(config, check_devices=self.ray_address is None).problems
         if problems:
             raise RunFailed("; ".join(problems) + " (lachesis run CONFIG --plan shows the "
                             "whole layout)")
@@ -285,6 +286,8 @@ class Supervisor:
         model = self.prepare_model()
         self.layout = layout = build_layout(config, model, self.placement)
         if isinstance(self.placement, RayPlacement):
+            for process in layout.processes:  # those that listen on nothing are placed now
+                self.placement.runner(process.where)
             self.say("on the Ray cluster: " + ", ".join(
                 f"{p.name} on {self.placement.where(p.where)}" for p in layout.processes))
         api_url = layout.api.url
