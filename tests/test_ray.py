@@ -82,6 +82,7 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
     out, err = run.communicate(timeout=1200)
     seconds = time.monotonic() - started
     assert run.returncode == 0, err[-4000:]
+    print(out)  # the head's console (pytest -s shows it)
     run_dir = tmp_path / "runs" / "two_nodes"
     assert processes_of_run((run_dir / "run_id").read_text().strip()) == []
     run_log = (run_dir / "run.log").read_text()
