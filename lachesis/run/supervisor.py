@@ -390,8 +390,8 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
             return 2
         problems = ray_problems(config, nodes)
         if problems:
-            print("lachesis run: cannot run on the Ray cluster at "
-                  f"{ray_address} ({len(nodes)} nodes):\n" + "\n".join(f"  - {p}" for p in problems),
+            print(f"lachesis run: cannot run on the Ray cluster at {ray_address} "
+                  f"({len(nodes)} nodes):\n" + "\n".join(f"  - {p}" for p in problems),
                   file=sys.stderr, flush=True)
             return 2
     if run_dir.exists() and any(run_dir.iterdir()):
