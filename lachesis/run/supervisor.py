@@ -115,7 +115,10 @@ class Supervisor:
 
     def check_alive(self, *allowed_to_finish: ChildProcess) -> None:
         """Raise :class:`RunFailed` when a process of the run has exited (a vLLM replica
-        is restarted instead, up to ``vllm.max_restarts`` times)."""
+        is restarted instead, up to ``vllm.max_restarts`` times). Where several have, one
+        killed by a signal is named first: the others (e.g. the trainer's other ranks)
+        most likely failed because of it."""
+        dead = []
         for child in self.children:
             code = child.returncode
             if code is None or (code == 0 and child in allowed_to_finish):
@@ -124,7 +127,12 @@ class Supervisor:
                     and self.restarts.get(child.name, 0) < self.config.vllm.max_restarts:
                 self.restart(child, code)
                 continue
-            raise RunFailed(f"{child.name} exited with code {code}; last lines of "
+            dead.append((child, code))
+        if dead:
+            dead.sort(key=lambda found: found[1] >= 0)
+            child, code = dead[0]
+            also = "".join(f"; {c.name} exited too (code {k})" for c, k in dead[1:])
+            raise RunFailed(f"{child.name} exited with code {code}{also}; last lines of "
                             f"{child.log_path}:\n{child.log_tail()}")
 
     def restart(self, child: ChildProcess, code: int) -> None:
