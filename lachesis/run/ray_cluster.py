@@ -412,7 +412,8 @@ class RayPlacement(Placement):
     def where(self, name: str) -> str:
         """``name``'s node, for the console."""
         info = self.infos.get(name)
-        return f"{info['hostname']} ({info['host']})" if info else "not placed"
+        return f"{info['hostname']} ({info['host']}) node {info['node_id'][:8]}" if info \
+            else "not placed"
 
     # -- processes ------------------------------------------------------------------------
     def child(self, name: str, where: str, command: list[str], log_path: Path,
