@@ -133,6 +133,46 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
 
 
 @pytest.mark.ray
+@pytest.mark.vllm
+def test_a_replica_killed_on_its_node_is_restarted_there(two_nodes, tmp_path):
+    """As on one machine (tests/test_run.py): a vLLM replica killed after step 1 is
+    restarted by the supervisor, by the same actor on the same node, on the synced
+    weights; the trainer's ranks load the newest weights into it when it is back, and the
+    run finishes every step."""
+    from test_run import kill_replica_until_it_is_back
+
+    steps = 4
+    base = yaml.safe_load(CONFIG.read_text())
+    config_path = write_config(
+        tmp_path, "restart", warm_start=None, evaluate=False,
+        vllm={**base["vllm"], "replicas": 2},
+        train={**base["train"], "steps": steps, "weight_sync": "disk",
+               "check_sync_every": True})
+    run = lachesis_run(config_path, two_nodes)
+    run_dir = tmp_path / "runs" / "restart"
+    try:
+        kill_replica_until_it_is_back(run, run_dir, trainer_log="trainer-0.log")
+        out, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err[-4000:]
+    assert processes_of_run((run_dir / "run_id").read_text().strip()) == []
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["sync_check_mean_abs_diff"] < 1e-3 for m in metrics)
+    assert metrics[-1]["sync_checked_servers"] == 2 and metrics[-1]["vllm_behind"] == 0
+    assert json.loads((run_dir / "summary.json").read_text())["vllm_restarts"] == {"vllm-1": 1}
+    assert " is back: loaded " in (run_dir / "logs" / "trainer-0.log").read_text()
+    second = (run_dir / "logs" / "vllm-1.log").read_text().split("\n$ ")[1].split("\n")[0]
+    assert "/trainer/weights/v" in second  # restarted on synced weights
+    started = [line.split("started vllm-1 on ", 1)[1].split(" (pid")[0]
+               for line in (run_dir / "run.log").read_text().splitlines()
+               if "started vllm-1 on " in line]
+    assert len(started) == 2 and started[0] == started[1]  # the same node both times
+
+
+@pytest.mark.ray
 def test_a_killed_rank_fails_the_run_and_nothing_is_left(two_nodes, tmp_path):
     """A trainer rank killed on its node stops the run as a dead process does on one
     machine: exit 1, the rank's name, exit code and log tail; every process goes. (Killed

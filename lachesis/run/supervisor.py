@@ -98,14 +98,19 @@ class Supervisor:
         if isinstance(self.placement, RayPlacement):
             child = self.placement.child(name, where or name, command, log_path, env,
                                          stdout_path).start()
-            log.info("started %s on %s (pid %d there), log %s", name,
-                     self.placement.where(where or name), child.proc.pid, log_path)
         else:
             child = ChildProcess(name, command, log_path, env=env,
                                  stdout_path=stdout_path).start()
-            log.info("started %s (pid %d), log %s", name, child.proc.pid, child.log_path)
+        self.log_started(child)
         self.children.append(child)
         return child
+
+    def log_started(self, child: ChildProcess) -> None:
+        if isinstance(self.placement, RayPlacement):
+            log.info("started %s on %s (pid %d there), log %s", child.name,
+                     self.placement.where(child.where), child.proc.pid, child.log_path)
+        else:
+            log.info("started %s (pid %d), log %s", child.name, child.proc.pid, child.log_path)
 
     def start_process(self, process: Process) -> ChildProcess:
         if process.settings is not None:
@@ -148,6 +153,7 @@ class Supervisor:
                  f"({self.restarts[child.name]} of {self.config.vllm.max_restarts}) "
                  f"on {weights or 'the starting model'}")
         child.start()
+        self.log_started(child)
 
     def newest_weights(self) -> Path | None:
         """The newest complete weights the trainer synced (``trainer/weights/vNNNNNN``)."""
