@@ -172,23 +172,29 @@ def test_a_replica_killed_on_its_node_is_restarted_there(two_nodes, tmp_path):
     assert len(started) == 2 and started[0] == started[1]  # the same node both times
 
 
-@pytest.mark.ray
-def test_a_killed_rank_fails_the_run_and_nothing_is_left(two_nodes, tmp_path):
-    """A trainer rank killed on its node stops the run as a dead process does on one
-    machine: exit 1, the rank's name, exit code and log tail; every process goes. (Killed
-    during the warm start, so no vLLM is started.)"""
-    config_path = write_config(tmp_path, "killed", warm_start={
-        "env": "arithmetic_tool", "demonstrations": 64,
-        "train": {"steps": 10000, "batch_size": 8, "micro_batch_size": 8,
-                  "tensorboard": False}})
-    run = lachesis_run(config_path, two_nodes)
-    run_dir = tmp_path / "runs" / "killed"
+LONG_WARM_START = {"env": "arithmetic_tool", "demonstrations": 64,
+                   "train": {"steps": 10000, "batch_size": 8, "micro_batch_size": 8,
+                             "tensorboard": False}}
+
+
+def wait_for_a_warm_start_step(run: subprocess.Popen, run_dir: Path) -> None:
     metrics = run_dir / "warm_start" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.stat().st_size > 0):
         assert run.poll() is None, run.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the warm start never finished a step"
         time.sleep(0.5)
+
+
+@pytest.mark.ray
+def test_a_killed_rank_fails_the_run_and_nothing_is_left(two_nodes, tmp_path):
+    """A trainer rank killed on its node stops the run as a dead process does on one
+    machine: exit 1, the rank's name, exit code and log tail; every process goes. (Killed
+    during the warm start, so no vLLM is started.)"""
+    config_path = write_config(tmp_path, "killed", warm_start=LONG_WARM_START)
+    run = lachesis_run(config_path, two_nodes)
+    run_dir = tmp_path / "runs" / "killed"
+    wait_for_a_warm_start_step(run, run_dir)
     rid = (run_dir / "run_id").read_text().strip()
     rank_1 = [pid for pid in processes_of_run(rid)
               if Path(f"/proc/{pid}/environ").read_bytes().find(b"\0RANK=1\0") >= 0
@@ -199,6 +205,25 @@ def test_a_killed_rank_fails_the_run_and_nothing_is_left(two_nodes, tmp_path):
     assert run.returncode == 1, err[-3000:]
     assert "warm_start-1 exited with code -9" in err and "warm_start-1.log" in err
     deadline = time.monotonic() + 30
+    while processes_of_run(rid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_of_run(rid) == []
+
+
+@pytest.mark.ray
+def test_killing_the_supervisor_outright_leaves_no_process_on_the_nodes(two_nodes, tmp_path):
+    """SIGKILL gives the supervisor (the Ray driver) no chance to clean up: Ray ends its
+    actors and kills their children (the guards), and each actor's watcher kills what the
+    guard cannot take with it any more."""
+    config_path = write_config(tmp_path, "supervisor_killed", warm_start=LONG_WARM_START)
+    run = lachesis_run(config_path, two_nodes)
+    run_dir = tmp_path / "runs" / "supervisor_killed"
+    wait_for_a_warm_start_step(run, run_dir)
+    rid = (run_dir / "run_id").read_text().strip()
+    assert len(processes_of_run(rid)) >= 4  # two ranks, each under its guard
+    run.kill()
+    run.communicate(timeout=30)
+    deadline = time.monotonic() + 60
     while processes_of_run(rid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_of_run(rid) == []

@@ -326,7 +326,7 @@ def kill_replica_until_it_is_back(run: subprocess.Popen, run_dir: Path,
     wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
              600, "the first step", run)
     command = (run_dir / "logs" / "vllm-1.log").read_text().splitlines()[0]
-    port = command.split("--port ")[1].split()[0]
+    host, port = command.split("--host ")[1].split()[0], command.split("--port ")[1].split()[0]
     os.killpg(os.getpgid(replica_pid(run_id(run_dir), port)), signal.SIGKILL)
     wait_for(lambda: "when it answers again" in (run_dir / "logs" / trainer_log).read_text(),
              300, "the trainer to leave the dead replica behind", run)
@@ -336,7 +336,7 @@ def kill_replica_until_it_is_back(run: subprocess.Popen, run_dir: Path,
         os.kill(pid, signal.SIGSTOP)
     wait_for(lambda: (run_dir / "logs" / "vllm-1.log").read_text().count("\n$ ") == 1,
              60, "the restart", run)
-    wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 600,
+    wait_for(lambda: healthy(f"http://{host}:{port}/health"), 600,
              "the restarted replica", run)
     for pid in trainer:
         os.kill(pid, signal.SIGCONT)

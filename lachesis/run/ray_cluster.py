@@ -15,8 +15,11 @@ actor, a :class:`ProcessRunner`, on the node Ray gives it:
   names for them, else where Ray puts them.
 
 An actor runs its commands as its own children, under the same guard as on one machine
-(:mod:`lachesis.run.guard`: if the actor dies, the command's whole process group goes),
-and the supervisor on the head reads their output into the run's log files
+(:mod:`lachesis.run.guard`). When the actor dies (its driver, the supervisor, was killed
+outright, or the job ended), Ray SIGKILLs the actor's children, the guards, which then
+cannot take their process groups with them: a watcher that each actor leaves detached on
+its node (``python -m lachesis.run.ray_cluster watch``) kills whatever the actor started,
+once the actor is gone. The supervisor on the head reads their output into the run's log files
 (``runs/NAME/logs/``) and their exits as it does for local processes: a process that dies
 stops the run with its log's tail, a vLLM replica is restarted.
 
@@ -36,6 +39,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -44,6 +49,7 @@ from lachesis.run.config import RunConfig
 from lachesis.run.layout import Placement, free_port
 
 log = logging.getLogger("lachesis.run")
+RUNNER_VARIABLE = "LACHESIS_RAY_RUNNER"
 INSTALL_HINT = "pip install 'lachesis-rl[ray]'"
 READ_CHUNK = 1 << 20
 
@@ -162,6 +168,16 @@ class ProcessRunner:
         self.environment = environment
         self.dir = Path(tempfile.mkdtemp(prefix=f"lachesis-ray-{run_id}-"))
         self.children: dict[str, tuple[subprocess.Popen, Path, Path | None]] = {}
+        self.marker = uuid.uuid4().hex
+        """Every process this actor starts carries ``LACHESIS_RAY_RUNNER=marker``."""
+        # Detached twice over (the launcher exits at once), so that Ray, which kills the
+        # actor's children when the actor dies, leaves the watcher alone.
+        subprocess.run([sys.executable, "-m", "lachesis.run.ray_cluster", "watch",
+                        str(os.getpid()), self.marker, str(self.dir)], check=True,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL,
+                       env={k: v for k, v in {**os.environ, **environment}.items()
+                            if k != "LACHESIS_RUN_ID"})  # it outlives the actor, not the run
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -190,7 +206,8 @@ class ProcessRunner:
                 (open(out, "wb") if out else contextlib.nullcontext(log_file)) as out_file:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "lachesis.run.guard", *command], cwd=self.cwd,
-                env={**os.environ, **self.environment, "PYTHONUNBUFFERED": "1", **env},
+                env={**os.environ, **self.environment, "PYTHONUNBUFFERED": "1", **env,
+                     RUNNER_VARIABLE: self.marker},
                 stdin=subprocess.DEVNULL, stdout=out_file, stderr=log_file,
                 start_new_session=True)
         self.children[name] = (proc, log, out)
@@ -434,3 +451,49 @@ class RayPlacement(Placement):
                 self.ray.util.remove_placement_group(group)
         self.runners.clear()
         self.groups.clear()
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def watch(actor_pid: int, marker: str, directory: str) -> None:
+    """Wait until the actor process ``actor_pid`` is gone, then SIGKILL every process
+    that carries ``LACHESIS_RAY_RUNNER=marker`` and remove the actor's ``directory``."""
+    import signal
+
+    from lachesis.run.processes import processes_of_run
+
+    started = _start_time(actor_pid)
+    while started is not None and _start_time(actor_pid) == started:
+        time.sleep(1.0)
+    for _ in range(10):
+        left = processes_of_run(marker, RUNNER_VARIABLE)
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[0] == "watch":  # start the watcher detached, return
+        subprocess.Popen([sys.executable, "-m", "lachesis.run.ray_cluster", "watching",
+                          *argv[1:]], start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return 0
+    if len(argv) == 4 and argv[0] == "watching":
+        watch(int(argv[1]), argv[2], argv[3])
+        return 0
+    print("usage: python -m lachesis.run.ray_cluster watch ACTOR_PID MARKER DIRECTORY",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
