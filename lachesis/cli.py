@@ -325,6 +325,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    help="start nothing: print every process (command line, devices, port, "
                         "URL, log), the batch arithmetic and what cannot work; exit 1 when "
                         "something cannot")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run every process on the Ray cluster at ADDRESS (e.g. auto, or "
+                        "HEAD_IP:6379; docs/multi-node.md); needs the `ray` extra")
     p.set_defaults(run=_run_run)
 
 
@@ -340,8 +343,13 @@ def _run_run(args: argparse.Namespace) -> int:
     if args.plan:
         from lachesis.run.plan import print_plan
 
-        return print_plan(config)
-    return run(config, fresh=args.fresh, resume=args.resume)
+        code = print_plan(config, check_devices=args.ray is None)
+        if args.ray is not None:
+            from lachesis.run.ray_cluster import print_ray_plan
+
+            code = max(code, print_ray_plan(config, args.ray))
+        return code
+    return run(config, fresh=args.fresh, resume=args.resume, ray_address=args.ray)
 
 
 def _add_filter_flags(p: argparse.ArgumentParser) -> None:

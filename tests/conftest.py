@@ -138,7 +138,8 @@ from vllm_fixture import tiny_model_dir, transfer_vllm_server, vllm_server  # no
 def pytest_collection_modifyitems(config, items):
     """Mark the tests that start real heavy components, so ``pytest -m unit`` (or
     ``make test-fast``) runs the rest in about a minute: ``vllm`` (a vLLM CPU server),
-    ``docker`` (the docker daemon and an image), ``chromium`` (headless Chromium). The
+    ``docker`` (the docker daemon and an image), ``chromium`` (headless Chromium), ``ray``
+    (a local Ray cluster). The
     markers come from the fixtures and parameters a test uses, so a new test is marked
     without anyone remembering to."""
     import pytest as _pytest
@@ -154,6 +155,8 @@ def pytest_collection_modifyitems(config, items):
             heavy.add("docker")
         if "chromium" in item.name or item.get_closest_marker("chromium"):
             heavy.add("chromium")
+        if item.get_closest_marker("ray"):
+            heavy.add("ray")
         for mark in heavy:
             item.add_marker(getattr(_pytest.mark, mark))
         if not heavy:

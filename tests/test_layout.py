@@ -208,7 +208,7 @@ def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_py
     bridge = layout.bridge
     assert bridge.command[3:] == ["atropos-generate", "--vllm-url", layout.replicas[0].url,
                                   "--vllm-url", layout.replicas[1].url, "--model", "policy",
-                                  "--port", str(bridge.port)]
+                                  "--host", "127.0.0.1", "--port", str(bridge.port)]
     settings = atropos1.settings[1]
     assert settings["env"] == {"max_num_workers": 2, "rollout_server_url": layout.api.url,
                                "tokenizer_name": "some/model", "use_wandb": False,

@@ -316,17 +316,19 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     assert "Traceback" not in (run_dir / "logs" / "api.log").read_text()
 
 
-def kill_replica_until_it_is_back(run: subprocess.Popen, run_dir: Path) -> None:
+def kill_replica_until_it_is_back(run: subprocess.Popen, run_dir: Path,
+                                  trainer_log: str = "trainer.log") -> None:
     """Kill replica vllm-1 once the trainer has written step 1's metrics; hold the trainer
-    (SIGSTOP) from when it has left the replica behind until the supervisor's restart of
-    it answers, so that the run cannot end before then."""
+    (SIGSTOP) from when it has left the replica behind (says its rank 0's log,
+    ``trainer_log``) until the supervisor's restart of it answers, so that the run cannot
+    end before then."""
     metrics_file = run_dir / "trainer" / "metrics.jsonl"
     wait_for(lambda: metrics_file.exists() and metrics_file.read_text().count("\n") >= 1,
              600, "the first step", run)
     command = (run_dir / "logs" / "vllm-1.log").read_text().splitlines()[0]
-    port = command.split("--port ")[1].split()[0]
+    host, port = command.split("--host ")[1].split()[0], command.split("--port ")[1].split()[0]
     os.killpg(os.getpgid(replica_pid(run_id(run_dir), port)), signal.SIGKILL)
-    wait_for(lambda: "when it answers again" in (run_dir / "logs" / "trainer.log").read_text(),
+    wait_for(lambda: "when it answers again" in (run_dir / "logs" / trainer_log).read_text(),
              300, "the trainer to leave the dead replica behind", run)
     trainer = [pid for pid in processes_of_run(run_id(run_dir))
                if b"train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
@@ -334,7 +336,7 @@ def kill_replica_until_it_is_back(run: subprocess.Popen, run_dir: Path) -> None:
         os.kill(pid, signal.SIGSTOP)
     wait_for(lambda: (run_dir / "logs" / "vllm-1.log").read_text().count("\n$ ") == 1,
              60, "the restart", run)
-    wait_for(lambda: healthy(f"http://127.0.0.1:{port}/health"), 600,
+    wait_for(lambda: healthy(f"http://{host}:{port}/health"), 600,
              "the restarted replica", run)
     for pid in trainer:
         os.kill(pid, signal.SIGCONT)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -134,6 +134,20 @@ class WarmStartSettings(_Section):
     """``TrainConfig`` keys for the SFT phase (mode is sft)."""
 
 
+class RaySettings(_Section):
+    """Where the processes go on a Ray cluster (``lachesis run CONFIG --ray ADDRESS``;
+    ignored without ``--ray``). docs/multi-node.md."""
+
+    nodes: dict[str, str] = Field(default_factory=dict)
+    """Process -> a Ray resource that only the wanted node(s) have: a custom one (``ray
+    start --resources '{"envs": 1}'``) or Ray's own ``node:IP``. Keys are process names
+    or globs (``api``, ``env-*``, ``vllm-1``); ``trainer`` and ``vllm`` name all the
+    trainer's ranks and all replicas. A process not named goes where Ray puts it."""
+    trainer_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """The placement-group strategy of the trainer's ranks (a bundle per rank: one GPU,
+    or one CPU on a cluster without GPUs). ``PACK``: as few nodes as possible."""
+
+
 class RunConfig(_Section):
     name: str
     """The run writes everything under ``runs_dir/name``."""
@@ -163,6 +177,8 @@ class RunConfig(_Section):
     """With ``evaluate``: also before RL (off when the starting policy was measured already)."""
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """How long the rollout API and env servers may take to come up."""
+    ray: RaySettings = Field(default_factory=RaySettings)
+    """Placement on a Ray cluster, used by ``lachesis run CONFIG --ray ADDRESS``."""
     shared_devices: list[int] = Field(default_factory=list)
     """GPUs that may be given to more than one process on purpose (e.g. a small model's
     vLLM replica beside a trainer rank); any other device given twice is an error."""

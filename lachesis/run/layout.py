@@ -9,13 +9,20 @@ layout says; ``lachesis run CONFIG --plan`` prints it without starting anything.
   requests over them, least in flight); the env's ``weight`` in the API's mix is split
   evenly over its servers.
 * The trainer: ``train.nproc`` processes under torchrun (one device each), told every
-  replica's URL (every sync reaches each).
+  replica's URL (every sync reaches each). On a Ray cluster (``--ray``), one process
+  per rank instead, with the variables torchrun would set (``MASTER_ADDR``,
+  ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
 * For an env with a ``server`` (an OpenEnv server): that server, started first; an
   atroposlib env runs its own serve loop against the API, generating through one
   ``lachesis atropos-generate`` over the replicas.
 
 Device indices are those the run itself sees: under ``CUDA_VISIBLE_DEVICES=4,5,6,7``,
 device 0 is GPU 4.
+
+Hosts and ports come from a :class:`Placement`: on this machine every process listens on
+loopback; :class:`lachesis.run.ray_cluster.RayPlacement` puts each process on a node of a
+Ray cluster first and answers with that node's address and a port free there (``{host}``
+in an env server's command is its node's address, as ``{port}`` is its port).
 """
 
 from __future__ import annotations
@@ -51,6 +58,13 @@ class Process:
     """Up once this answers."""
     container: str | None = None
     """The docker container the command runs (removed when the run stops)."""
+    slot: str | None = None
+    """Where it runs when that is not its own place (:class:`Placement`): a trainer
+    rank's, or an env server's for its evaluation."""
+
+    @property
+    def where(self) -> str:
+        return self.slot or self.name
 
 
 @dataclass
@@ -73,7 +87,9 @@ class Layout:
     api: Process
     replicas: list[Process]
     envs: list[EnvServer]
-    trainer: Process
+    trainers: list[Process]
+    """The trainer: one process (under torchrun when it has several ranks), or one per
+    rank (:attr:`Placement.per_rank`)."""
     backends: list[Process] = field(default_factory=list)
     """Servers the envs talk to (OpenEnv servers), started before them."""
     bridge: Process | None = None
@@ -82,7 +98,12 @@ class Layout:
     @property
     def processes(self) -> list[Process]:
         return [self.api, *self.replicas, *self.backends,
-                *([self.bridge] if self.bridge else []), *self.envs, self.trainer]
+                *([self.bridge] if self.bridge else []), *self.envs, *self.trainers]
+
+    @property
+    def trainer(self) -> Process:
+        """The trainer's (first) process."""
+        return self.trainers[0]
 
     @property
     def replica_urls(self) -> list[str]:
@@ -100,10 +121,36 @@ def _device_env(devices: list[int] | None) -> dict[str, str]:
     return {} if devices is None else {"CUDA_VISIBLE_DEVICES": visible_devices(devices)}
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     from environments.inference.vllm_process import free_port as pick
 
-    return pick()
+    return pick(host)
+
+
+class Placement:
+    """Where each process of the run goes: here, this machine, every process listening on
+    loopback. Processes are asked for by the name of their place (``api``, ``vllm-0``,
+    ``env-LABEL``, ``server-LABEL``, ``atropos-generate``, ``trainer-RANK``)."""
+
+    per_rank = False
+    """The trainer as one process per rank (else one torchrun process)."""
+
+    def host(self, name: str) -> str:
+        """The address ``name`` listens on and is reached at."""
+        return "127.0.0.1"
+
+    def port(self, name: str, port: int | None = None) -> int:
+        """``port`` (configured), else a port free where ``name`` runs."""
+        return port or free_port(self.host(name))
+
+    def device_env(self, name: str, devices: list[int] | None) -> dict[str, str]:
+        """The environment that gives ``name`` its configured ``devices``."""
+        return _device_env(devices)
+
+    def rank_env(self, rank: int, world: int) -> dict[str, str]:
+        """With :attr:`per_rank`: what torchrun would set for ``rank`` besides the master's
+        address and the world (``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES``)."""
+        raise NotImplementedError("one torchrun process here: no per-rank environment")
 
 
 def policy_model(config: RunConfig) -> str:
@@ -113,23 +160,25 @@ def policy_model(config: RunConfig) -> str:
     return config.model
 
 
-def build_layout(config: RunConfig, model: str | None = None) -> Layout:
+def build_layout(config: RunConfig, model: str | None = None,
+                 place: Placement | None = None) -> Layout:
     """Every process of the RL phase (ports chosen now: the configured ones, else free
-    ones)."""
+    ones; hosts and ports where ``place`` puts each process)."""
     from environments.inference.vllm_process import VLLMProcess
     from trainer.config import TrainConfig
     from trainer.vllm_sync import vllm_options
 
     model = model or policy_model(config)
+    place = place or Placement()
     run_dir = config.run_dir
     logs, configs = run_dir / "logs", run_dir / "configs"
 
-    api_port = config.api.get("port") or free_port()
-    api_url = f"http://127.0.0.1:{api_port}"
+    api_host, api_port = place.host("api"), place.port("api", config.api.get("port"))
+    api_url = f"http://{api_host}:{api_port}"
     api_yaml = configs / "api.yaml"
     api = Process("api", lachesis_command("api", "--config", str(api_yaml)),
                   logs / "api.log", port=api_port, url=api_url, settings=(api_yaml, {
-                      **config.api, "host": "127.0.0.1", "port": api_port,
+                      **config.api, "host": api_host, "port": api_port,
                       "db": run_dir / "api" / "queue.sqlite"}))
 
     v = config.vllm
@@ -141,7 +190,8 @@ def build_layout(config: RunConfig, model: str | None = None) -> Layout:
     replicas = []
     for i, devices in enumerate(config.replica_devices):
         name = "vllm" if v.replicas == 1 else f"vllm-{i}"
-        server = VLLMProcess(model, port=v.port + i if v.port else free_port(),
+        server = VLLMProcess(model, host=place.host(name),
+                             port=place.port(name, v.port + i if v.port else None),
                              max_model_len=v.max_model_len, dtype=v.dtype,
                              kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
                              gpu_memory_utilization=v.gpu_memory_utilization,
@@ -152,7 +202,7 @@ def build_layout(config: RunConfig, model: str | None = None) -> Layout:
         env = {k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
                                            *sync_env) if k in environment}
         replicas.append(Process(name, server.command(), logs / f"{name}.log",
-                                env={**env, **_device_env(devices)}, devices=devices,
+                                env={**env, **place.device_env(name, devices)}, devices=devices,
                                 port=server.port, url=server.url))
     urls = [r.url for r in replicas]
 
@@ -160,15 +210,16 @@ def build_layout(config: RunConfig, model: str | None = None) -> Layout:
     for env in config.envs:
         name, kind = env.name, _kind(env)
         if env.server is not None:
-            backends.append(env_backend(env, logs))
-            name = name.replace("{port}", str(backends[-1].port))
+            backends.append(env_backend(env, logs, place))
+            name = name.replace("{port}", str(backends[-1].port)).replace(
+                "{host}", place.host(backends[-1].name))
         if kind == "atropos" and bridge is None:
-            port = free_port()
+            host, port = place.host("atropos-generate"), place.port("atropos-generate")
             bridge = Process("atropos-generate", lachesis_command(
                 "atropos-generate", *[a for u in urls for a in ("--vllm-url", u)],
-                "--model", "policy", "--port", str(port)), logs / "atropos-generate.log",
-                port=port, url=f"http://127.0.0.1:{port}",
-                health_url=f"http://127.0.0.1:{port}/health")
+                "--model", "policy", "--host", host, "--port", str(port)),
+                logs / "atropos-generate.log", port=port, url=f"http://{host}:{port}",
+                health_url=f"http://{host}:{port}/health")
         environment = env_process_environment(env, {})
         for k in range(env.count):
             label = env.label if env.count == 1 else f"{env.label}-{k}"
@@ -195,20 +246,39 @@ def build_layout(config: RunConfig, model: str | None = None) -> Layout:
                 env_label=env.label, first=k == 0))
 
     train_yaml = configs / "train.yaml"
+    trainers = trainer_processes(config, "trainer", train_yaml, {
+        **config.rl_train, "model": model, "mode": "rl", "api_url": api_url,
+        "vllm_urls": urls, "vllm_supervised": True, "run_dir": run_dir / "trainer"}, place)
+    return Layout(api, replicas, envs, trainers, backends, bridge)
+
+
+def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
+                      settings: dict[str, Any] | None, place: Placement) -> list[Process]:
+    """``lachesis train --config train_yaml`` on ``train.nproc`` ranks: one process
+    (torchrun for several ranks), or with :attr:`Placement.per_rank` one process per rank
+    in the places ``trainer-0``, ``trainer-1``, ... (named ``NAME-RANK``), rendezvous at
+    rank 0's place. The first process writes ``settings`` into ``train_yaml`` (None: it is
+    written already)."""
+    logs = config.run_dir / "logs"
     nproc, devices = config.train_nproc, config.train_devices
-    if nproc > 1:
-        # --standalone: torchrun's rendezvous on a free local port.
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), "-m", "lachesis.cli", "train",
-                   "--config", str(train_yaml)]
-    else:
-        command = lachesis_command("train", "--config", str(train_yaml))
-    trainer = Process("trainer", command, logs / "trainer.log", env=_device_env(devices),
-                      devices=devices, settings=(train_yaml, {
-                          **config.rl_train, "model": model, "mode": "rl", "api_url": api_url,
-                          "vllm_urls": urls, "vllm_supervised": True,
-                          "run_dir": run_dir / "trainer"}))
-    return Layout(api, replicas, envs, trainer, backends, bridge)
+    command = lachesis_command("train", "--config", str(train_yaml))
+    if not place.per_rank or nproc == 1:
+        if nproc > 1:
+            # --standalone: torchrun's rendezvous on a free local port.
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(nproc), "-m", "lachesis.cli", "train",
+                       "--config", str(train_yaml)]
+        return [Process(name, command, logs / f"{name}.log",
+                        env=place.device_env("trainer-0", devices), devices=devices,
+                        settings=None if settings is None else (train_yaml, settings),
+                        slot="trainer-0")]
+    master = {"MASTER_ADDR": place.host("trainer-0"),
+              "MASTER_PORT": str(place.port("trainer-0")), "WORLD_SIZE": str(nproc)}
+    return [Process(f"{name}-{rank}", command, logs / f"{name}-{rank}.log",
+                    env={**master, "RANK": str(rank), **place.rank_env(rank, nproc)},
+                    settings=(train_yaml, settings) if rank == 0 and settings is not None
+                    else None,
+                    slot=f"trainer-{rank}") for rank in range(nproc)]
 
 
 def _kind(env: EnvSettings) -> str:
@@ -220,13 +290,16 @@ def _kind(env: EnvSettings) -> str:
         return "lachesis"
 
 
-def env_backend(env: EnvSettings, logs: Path) -> Process:
-    """The server ``env.server`` says to start (``{port}``: its port)."""
+def env_backend(env: EnvSettings, logs: Path, place: Placement | None = None) -> Process:
+    """The server ``env.server`` says to start (``{port}``: its port, ``{host}``: its
+    address)."""
     server = env.server
-    port = server.port or free_port()
+    place = place or Placement()
+    name = f"server-{env.label}"
+    host, port = place.host(name), place.port(name, server.port)
 
     def fill(text: str) -> str:
-        return text.replace("{port}", str(port))
+        return text.replace("{port}", str(port)).replace("{host}", host)
 
     environment = {k: fill(v) for k, v in server.environment.items()}
     command = [fill(c) for c in server.command or []]
@@ -238,7 +311,6 @@ def env_backend(env: EnvSettings, logs: Path) -> Process:
                    "--name", container, "-e", f"PORT={port}",
                    *[a for k, v in environment.items() for a in ("-e", f"{k}={v}")],
                    server.docker_image, *command]
-    name = f"server-{env.label}"
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     return Process(name, command, logs / f"{name}.log", env=environment, port=port, url=url,
                    health_url=url + server.health_path, container=container)

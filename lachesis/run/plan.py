@@ -126,8 +126,10 @@ def tokenizer_problems(model: str, planned_model: str) -> list[str]:
     return problems
 
 
-def make_plan(config: RunConfig, *, devices_present: int | None = None) -> Plan:
-    """The layout of ``config`` and every problem found, starting nothing."""
+def make_plan(config: RunConfig, *, devices_present: int | None = None,
+              check_devices: bool = True) -> Plan:
+    """The layout of ``config`` and every problem found, starting nothing
+    (``check_devices``: also the devices it asks for against this machine's)."""
     model = policy_model(config)
     problems = []
     try:
@@ -139,7 +141,7 @@ def make_plan(config: RunConfig, *, devices_present: int | None = None) -> Plan:
     except (ValueError, LookupError):  # the train section itself is wrong (reported)
         layout = None
     plan = Plan(config, layout, model, problems)
-    if layout is not None:
+    if layout is not None and check_devices:
         plan.problems += device_problems(layout, device_count() if devices_present is None
                                          else devices_present)
     try:  # every env whose group size does not fit, not only the first

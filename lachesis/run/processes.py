@@ -90,9 +90,10 @@ class ChildProcess:
         return None if self.proc is None else stop_process_group(self.proc, grace_s)
 
 
-def processes_of_run(run_id: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``LACHESIS_RUN_ID=run_id``."""
-    marker = f"{RUN_ID_VARIABLE}={run_id}".encode()
+def processes_of_run(run_id: str, variable: str = RUN_ID_VARIABLE) -> list[int]:
+    """PIDs of live processes whose environment carries ``LACHESIS_RUN_ID=run_id`` (or
+    ``variable=run_id``)."""
+    marker = f"{variable}={run_id}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

@@ -12,6 +12,10 @@ Reads top to bottom:
    the reward curve;
 6. always: stop every process of the run, then kill whatever still carries the run's id.
 
+With ``--ray ADDRESS`` the same processes run on the nodes of a Ray cluster
+(:mod:`lachesis.run.ray_cluster`); the supervisor stays on the head, and each process's
+log and exit reach it as a local one's do.
+
 A process that dies stops the run: its log's tail is printed and the exit code is 1. A
 vLLM replica is the exception: it is restarted (from the newest weights the trainer wrote,
 ``vllm.max_restarts`` times at most) while the run goes on; the env servers route around
@@ -38,9 +42,11 @@ from lachesis.run.config import RunConfig, write_yaml
 from lachesis.run.layout import (
     EnvServer,
     Layout,
+    Placement,
     Process,
     build_layout,
     lachesis_command,
+    trainer_processes,
 )
 from lachesis.run.processes import (
     RUN_ID_VARIABLE,
@@ -49,6 +55,7 @@ from lachesis.run.processes import (
     kill_leftovers,
 )
 from lachesis.run.progress import RunProgress, last_metrics
+from lachesis.run.ray_cluster import PlacementFailed, RayPlacement, RayUnavailable
 
 log = logging.getLogger("lachesis.run")
 
@@ -66,10 +73,14 @@ def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
 
 
 class Supervisor:
-    def __init__(self, config: RunConfig, *, live: bool | None = None):
+    def __init__(self, config: RunConfig, *, live: bool | None = None,
+                 ray_address: str | None = None):
         self.config = config
         self.run_dir = config.run_dir
         self.run_id = uuid.uuid4().hex[:12]
+        self.ray_address = ray_address
+        """Run the processes on this Ray cluster (None: on this machine)."""
+        self.placement = Placement()
         self.children: list[ChildProcess] = []
         self.live = live
         self.progress: RunProgress | None = None
@@ -80,22 +91,39 @@ class Supervisor:
 
     # -- processes -----------------------------------------------------------------------
     def start(self, name: str, command: list[str], *, env: dict[str, str] | None = None,
-              stdout_path: Path | None = None) -> ChildProcess:
-        child = ChildProcess(name, command, self.run_dir / "logs" / f"{name}.log",
-                             env={RUN_ID_VARIABLE: self.run_id, **(env or {})},
-                             stdout_path=stdout_path).start()
+              stdout_path: Path | None = None, where: str | None = None) -> ChildProcess:
+        """Start ``command`` (in place ``where`` of the placement, default ``name``'s)."""
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        env = {RUN_ID_VARIABLE: self.run_id, **(env or {})}
+        if isinstance(self.placement, RayPlacement):
+            child = self.placement.child(name, where or name, command, log_path, env,
+                                         stdout_path).start()
+        else:
+            child = ChildProcess(name, command, log_path, env=env,
+                                 stdout_path=stdout_path).start()
+        self.log_started(child)
         self.children.append(child)
-        log.info("started %s (pid %d), log %s", name, child.proc.pid, child.log_path)
         return child
+
+    def log_started(self, child: ChildProcess) -> None:
+        if isinstance(self.placement, RayPlacement):
+            log.info("started %s on %s (pid %d there), log %s", child.name,
+                     self.placement.where(child.where), child.proc.pid, child.log_path)
+        else:
+            log.info("started %s (pid %d), log %s", child.name, child.proc.pid, child.log_path)
 
     def start_process(self, process: Process) -> ChildProcess:
         if process.settings is not None:
             write_yaml(*process.settings)
-        return self.start(process.name, process.command, env=process.env)
+        return self.start(process.name, process.command, env=process.env,
+                          where=process.where)
 
     def check_alive(self, *allowed_to_finish: ChildProcess) -> None:
         """Raise :class:`RunFailed` when a process of the run has exited (a vLLM replica
-        is restarted instead, up to ``vllm.max_restarts`` times)."""
+        is restarted instead, up to ``vllm.max_restarts`` times). Where several have, one
+        killed by a signal is named first: the others (e.g. the trainer's other ranks)
+        most likely failed because of it."""
+        dead = []
         for child in self.children:
             code = child.returncode
             if code is None or (code == 0 and child in allowed_to_finish):
@@ -104,7 +132,12 @@ class Supervisor:
                     and self.restarts.get(child.name, 0) < self.config.vllm.max_restarts:
                 self.restart(child, code)
                 continue
-            raise RunFailed(f"{child.name} exited with code {code}; last lines of "
+            dead.append((child, code))
+        if dead:
+            dead.sort(key=lambda found: found[1] >= 0)
+            child, code = dead[0]
+            also = "".join(f"; {c.name} exited too (code {k})" for c, k in dead[1:])
+            raise RunFailed(f"{child.name} exited with code {code}{also}; last lines of "
                             f"{child.log_path}:\n{child.log_tail()}")
 
     def restart(self, child: ChildProcess, code: int) -> None:
@@ -120,6 +153,7 @@ class Supervisor:
                  f"({self.restarts[child.name]} of {self.config.vllm.max_restarts}) "
                  f"on {weights or 'the starting model'}")
         child.start()
+        self.log_started(child)
 
     def newest_weights(self) -> Path | None:
         """The newest complete weights the trainer synced (``trainer/weights/vNNNNNN``)."""
@@ -138,21 +172,29 @@ class Supervisor:
         log.info("%s is up at %s", child.name, url)
 
     def run_to_end(self, name: str, command: list[str], *, stdout_path: Path | None = None,
-                   env: dict[str, str] | None = None) -> ChildProcess:
-        """A one-off process (SFT, evaluation): wait for it while watching the others."""
-        child = self.start(name, command, env=env, stdout_path=stdout_path)
-        while child.returncode is None:
-            self.check_alive(child)
-            time.sleep(0.5)
-        self.check_alive(child)
-        self.children.remove(child)
+                   env: dict[str, str] | None = None, where: str | None = None) -> ChildProcess:
+        """A one-off process (evaluation): wait for it while watching the others."""
+        child = self.start(name, command, env=env, stdout_path=stdout_path, where=where)
+        self.wait_for_end([child])
         return child
+
+    def wait_for_end(self, children: list[ChildProcess]) -> None:
+        """Wait until every one of ``children`` has exited 0 (one that fails stops the
+        run, as does any other process of the run)."""
+        while any(child.returncode is None for child in children):
+            self.check_alive(*children)
+            time.sleep(0.5)
+        self.check_alive(*children)
+        for child in children:
+            self.children.remove(child)
 
     def stop_all(self) -> None:
         for child in reversed(self.children):
             if child.running:
                 log.info("stopping %s", child.name)
             child.stop()
+        if isinstance(self.placement, RayPlacement):
+            self.placement.close()
         left = kill_leftovers(self.run_id)
         if left:
             log.warning("killed %d leftover process(es) of the run: %s", len(left), left)
@@ -184,7 +226,10 @@ class Supervisor:
             **ws.train, "model": model, "mode": "sft", "data": demos,
             "run_dir": sft_dir, "api_url": None, "tensorboard": False})
         self.say(f"warm start: SFT on {ws.demonstrations} {ws.env} demonstrations")
-        self.run_to_end("warm_start", lachesis_command("train", "--config", str(train_yaml)))
+        # The trainer's ranks, as the RL phase's trainer runs (train.nproc, train.devices).
+        ranks = [self.start_process(process) for process in trainer_processes(
+            config, "warm_start", train_yaml, None, self.placement)]
+        self.wait_for_end(ranks)
         checkpoints = sorted((sft_dir / "checkpoints").glob("step_*"))
         if not checkpoints:
             raise RunFailed(f"warm start wrote no checkpoint under {sft_dir / 'checkpoints'}")
@@ -225,7 +270,7 @@ class Supervisor:
             self.run_to_end(f"eval-{label}-{file_name}", lachesis_command(
                 "env", "evaluate", server.env_name, "--config", str(server.settings[0]),
                 "--eval-out", str(self.run_dir / "eval" / f"{label}-{file_name}.jsonl"),
-                python=server.python), env=server.env, stdout_path=out)
+                python=server.python), env=server.env, stdout_path=out, where=server.where)
             results[server.env_name] = json.loads(out.read_text())
         return results
 
@@ -241,7 +286,8 @@ class Supervisor:
         config, run_dir = self.config, self.run_dir
         from lachesis.run.plan import make_plan
 
-        problems = make_plan(config).problems  # what --plan flags stops the run here
+        # What --plan flags stops the run here (on a Ray cluster, Ray gives out the GPUs).
+        problems = make_plan(config, check_devices=self.ray_address is None).problems
         if problems:
             raise RunFailed("; ".join(problems) + " (lachesis run CONFIG --plan shows the "
                             "whole layout)")
@@ -249,8 +295,15 @@ class Supervisor:
         become_subreaper()
         (run_dir / "run_id").write_text(self.run_id + "\n")  # the LACHESIS_RUN_ID of its processes
         write_yaml(run_dir / "configs" / "run.yaml", config.model_dump(mode="json"))
+        if self.ray_address is not None:
+            self.placement = RayPlacement(config, self.run_id)
         model = self.prepare_model()
-        self.layout = layout = build_layout(config, model)
+        self.layout = layout = build_layout(config, model, self.placement)
+        if isinstance(self.placement, RayPlacement):
+            for process in layout.processes:  # those that listen on nothing are placed now
+                self.placement.runner(process.where)
+            self.say("on the Ray cluster: " + ", ".join(
+                f"{p.name} on {self.placement.where(p.where)}" for p in layout.processes))
         api_url = layout.api.url
 
         api = self.start_process(layout.api)
@@ -282,13 +335,13 @@ class Supervisor:
             for server in layout.envs:
                 if server.kind == "lachesis":
                     self.start_process(server)
-            trainer = self.start_process(layout.trainer)
+            ranks = [self.start_process(process) for process in layout.trainers]
             # An atroposlib env reads the batch size from the API once, when it starts: it
             # starts once the trainer has registered.
             waiting = [s for s in layout.envs if s.kind == "atropos"]
             progress.phase = "training"
-            while trainer.returncode is None:
-                self.check_alive(trainer)
+            while any(rank.returncode is None for rank in ranks):
+                self.check_alive(*ranks)
                 if waiting and (_get_json(api_url + "/status") or {}).get("trainer_registered"):
                     for server in waiting:
                         self.start_process(server)
@@ -298,8 +351,9 @@ class Supervisor:
                 progress.update(last_metrics(train_dir / "metrics.jsonl"),
                                 _get_json(api_url + "/status"))
                 time.sleep(1.0)
-            self.check_alive(trainer)
-            self.children.remove(trainer)
+            self.check_alive(*ranks)
+            for rank in ranks:
+                self.children.remove(rank)
             progress.update(last_metrics(train_dir / "metrics.jsonl"),
                             _get_json(api_url + "/status"))
             self.progress = None
@@ -336,9 +390,24 @@ def run_quietly(config: RunConfig) -> dict[str, Any]:
 
 
 def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
-        live: bool | None = None) -> int:
-    """Run the whole system; returns the exit code (0: the trainer finished)."""
+        live: bool | None = None, ray_address: str | None = None) -> int:
+    """Run the whole system (on the Ray cluster at ``ray_address``, else on this machine);
+    returns the exit code (0: the trainer finished)."""
     run_dir = config.run_dir
+    if ray_address is not None:
+        from lachesis.run.ray_cluster import alive_nodes, connect, ray_problems
+
+        try:
+            nodes = alive_nodes(connect(ray_address))
+        except RayUnavailable as error:
+            print(f"lachesis run: {error}", file=sys.stderr, flush=True)
+            return 2
+        problems = ray_problems(config, nodes)
+        if problems:
+            print(f"lachesis run: cannot run on the Ray cluster at {ray_address} "
+                  f"({len(nodes)} nodes):\n" + "\n".join(f"  - {p}" for p in problems),
+                  file=sys.stderr, flush=True)
+            return 2
     if run_dir.exists() and any(run_dir.iterdir()):
         if fresh:
             shutil.rmtree(run_dir)
@@ -349,7 +418,7 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
     run_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, filename=run_dir / "run.log",
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    supervisor = Supervisor(config, live=live)
+    supervisor = Supervisor(config, live=live, ray_address=ray_address)
 
     def on_signal(signum, frame):  # SIGTERM is handled like Ctrl-C
         raise KeyboardInterrupt
@@ -362,7 +431,7 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
         print(summary.get("table", ""), flush=True)
         print(f"run directory: {run_dir}", flush=True)
         return 0
-    except RunFailed as error:
+    except (RunFailed, PlacementFailed) as error:
         print(f"lachesis run: {error}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
