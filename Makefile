@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
+.PHONY: install test test-all test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
 
 install: $(STAMP)
 
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, transformers, vllm, docker, datasets, atroposlib, ray, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(STAMP)
 
+# The suite without the tests marked slow (pytest.ini markers), which `test-all` adds.
 test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install
 	$(PY) -m pytest -q
 
 # Only the tests that start none of vLLM, docker and Chromium (markers: tests/conftest.py).

@@ -177,7 +177,7 @@ def test_lora_run_hot_loads_each_adapter_and_a_restarted_replica_gets_the_newest
     model, the trainer leaves it behind and loads the newest adapter into it when it is
     back (requests that reach it before then are retried on the other replica), and every
     later sync reaches both."""
-    steps = 4
+    steps = 3
     config = write_config(tmp_path, tiny_model_dir, "lora", warm_start=None, evaluate=False,
                           lora={"rank": 8, "alpha": 16},
                           vllm={**SHORT_RUN["vllm"], "replicas": 2},
@@ -256,7 +256,7 @@ def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, t
     from third_party import openenv_python
     from transformers import AutoTokenizer
 
-    steps = 8
+    steps = 5
     # A logit bias (vLLM's logprobs are from before it, unlike a grammar's) makes the
     # random model open tool calls and end turns: multi-turn OpenEnv episodes.
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
