@@ -287,6 +287,9 @@ def test_train_from_the_rollout_api_acknowledges_leases_and_posts_the_policy_ver
     assert status["counters"]["acked_leases"] == 2 and status["counters"]["acked_groups"] == 4
 
 
+# 50 s; a launched server killed and restarted on the newest weights is also
+# test_weight_sync's killed-mid-transfer test (which kills it mid-stream)
+@pytest.mark.slow
 def test_launched_vllm_is_restarted_with_the_latest_weights_when_it_dies(vllm_server, rollouts, tmp_path):
     import os
     import signal
