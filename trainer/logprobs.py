@@ -49,6 +49,7 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
     position (:func:`token_logprobs`, the path before packing), packed, of the positions
     that predict a wanted token (``logits_to_keep``)."""
     batch, width = tokens.shape
+    host_lengths = lengths.tolist()  # one read per call (none when lengths is on the CPU)
     lengths = lengths.to(tokens.device)
     positions = torch.arange(width, device=tokens.device)[None, :].expand(batch, width)
     valid = positions < lengths[:, None]
@@ -57,7 +58,8 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
         wanted = wanted & where.to(tokens.device)
     if packing:
         bounds = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-        longest = int(lengths.max()) if batch else 0
+        _remember_row_edges(bounds, [0, *itertools.accumulate(host_lengths)])
+        longest = max(host_lengths, default=0)
         inputs = {"input_ids": tokens[valid][None], "position_ids": positions[valid][None],
                   # row boundaries: flash-attn's varlen kernels and VARLEN_SDPA read them
                   "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
@@ -149,11 +151,34 @@ def _varlen_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     if bounds is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    edges = bounds.tolist()
+    edges = _row_edges(bounds)
     rows = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
                                    None, dropout=dropout, scaling=scaling, is_causal=True)[0]
             for s, e in itertools.pairwise(edges) if e > s]
     return torch.cat(rows, dim=1), None
+
+
+_ROW_EDGES: dict[int, tuple[Tensor, list[int]]] = {}
+
+
+def _remember_row_edges(bounds: Tensor, edges: list[int]) -> None:
+    """Keep ``bounds``' values as Python ints for :func:`_varlen_sdpa`: reading a GPU
+    tensor on the host waits for every queued kernel, and done in every layer's attention
+    it left the GPU idle while the host queued the next layer (docs/benchmarks.md has the
+    H200 figures). The last few are kept (the tensor with them, so its id is not
+    reused), enough for a backward that recomputes checkpointed layers."""
+    _ROW_EDGES[id(bounds)] = (bounds, edges)
+    while len(_ROW_EDGES) > 8:
+        del _ROW_EDGES[next(iter(_ROW_EDGES))]
+
+
+def _row_edges(bounds: Tensor) -> list[int]:
+    kept = _ROW_EDGES.get(id(bounds))
+    if kept is not None and kept[0] is bounds:
+        return kept[1]
+    edges = bounds.tolist()
+    _remember_row_edges(bounds, edges)
+    return edges
 
 
 def _register_varlen_sdpa() -> None:

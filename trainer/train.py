@@ -204,8 +204,9 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
         else len(plan)
     totals: dict[str, float] = {}
     for i in range(passes):
-        mb = (batch.select(plan[i]) if i < len(plan) else empty).to(model.device)
-        mb_tokens = int(mb.mask.sum())
+        mb = batch.select(plan[i]) if i < len(plan) else empty
+        mb_tokens = int(mb.mask.sum())  # before the copy: no wait on the device
+        mb = mb.to(model.device)
         if mb_tokens == 0 and not sharded:
             continue
         logprobs = batch_logprobs(model, mb, config)
