@@ -379,6 +379,10 @@ def replica_pid(run: str, port: str) -> int:
     raise AssertionError(f"no vLLM process on port {port}")
 
 
+# 50-60 s; its parts are test_layout's (the commands the run makes for an atroposlib env:
+# atropos-generate over a replica, the env's own serve loop) and test_atropos's (that env
+# serving lachesis api, lachesis train training on it)
+@pytest.mark.slow
 def test_an_atropos_env_runs_under_lachesis_run(tiny_model_dir, tmp_path):
     """An unchanged atroposlib env (tests/test_atropos.py's) as an `envs:` entry: the run
     starts atropos-generate over its replica and the env's own serve loop once the
