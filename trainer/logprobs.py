@@ -49,7 +49,7 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
     position (:func:`token_logprobs`, the path before packing), packed, of the positions
     that predict a wanted token (``logits_to_keep``)."""
     batch, width = tokens.shape
-    host_lengths = lengths.tolist()  # one read per call (none when lengths is on the CPU)
+    given_lengths = lengths  # as the caller has them: read on the host below when packing
     lengths = lengths.to(tokens.device)
     positions = torch.arange(width, device=tokens.device)[None, :].expand(batch, width)
     valid = positions < lengths[:, None]
@@ -58,8 +58,9 @@ def sequence_logprobs(model: torch.nn.Module, tokens: Tensor, lengths: Tensor, *
         wanted = wanted & where.to(tokens.device)
     if packing:
         bounds = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-        _remember_row_edges(bounds, [0, *itertools.accumulate(host_lengths)])
-        longest = max(host_lengths, default=0)
+        row_lengths = given_lengths.tolist()  # no wait on the device when on the CPU
+        _remember_row_edges(bounds, [0, *itertools.accumulate(row_lengths)])
+        longest = max(row_lengths, default=0)
         inputs = {"input_ids": tokens[valid][None], "position_ids": positions[valid][None],
                   # row boundaries: flash-attn's varlen kernels and VARLEN_SDPA read them
                   "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
