@@ -3,6 +3,7 @@ MT-GRPO, GiGPO and turn-RTG x 32 seeds on ``configs/credit_assignment.yaml``, re
 
     nohup python experiments/confirmatory.py --lock /tmp/lachesis-heavy.lock > runs/confirmatory.log 2>&1 &
     python experiments/confirmatory.py --cell gigpo 7   # one cell again, in runs/confirmatory-cells/
+    python experiments/confirmatory.py --cell gigpo 7 --deterministic   # ... repeatable
     python experiments/confirmatory.py --report         # the registered tests, table and plot
 
 The grid runs seeds outermost, in the registered arm order. A run works under
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO / "experiments"))
 import credit_assignment as ca  # noqa: E402
 from stats import fisher_exact, holm, mann_whitney, t_interval, wilson  # noqa: E402
 
+from lachesis.run.config import RunConfig  # noqa: E402
 from lachesis.run.supervisor import RunFailed, run_quietly  # noqa: E402
 
 # arm -> (label, trainer settings, env settings), in the registered order
@@ -138,6 +140,8 @@ def run_cell(args: argparse.Namespace, model: str, arm: str, seed: int, *,
              evaluate_before: bool) -> str:
     """One attempt at one cell, recorded in the manifest; returns its outcome."""
     config = ca.arm_config(args, model, arm, seed, arms=ARMS, evaluate_before=evaluate_before)
+    if getattr(args, "deterministic", False):  # a cell again, synchronous and seeded
+        config = RunConfig.model_validate({**config.model_dump(), "deterministic": True})
     entry = {"arm": arm, "seed": seed, **git_state(), "warm_start_sha256": weights_hash(model),
              "config": config.model_dump(mode="json"),
              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -302,13 +306,21 @@ def main() -> int:
     parser.add_argument("--cell", nargs=2, metavar=("ARM", "SEED"),
                         help="run this one cell again, from the study's warm start, into "
                         "RUNS_DIR-cells/ARM-seedSEED")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="with --cell: run it synchronous and seeded, so that it repeats "
+                        "exactly (docs/determinism.md; the registered grid is asynchronous), "
+                        "into RUNS_DIR-cells-deterministic/")
     parser.add_argument("--report", action="store_true",
                         help="the registered tests, tables and plot from the finished runs")
     parser.add_argument("--out", type=Path, default=None, help="default: RUNS_DIR.md")
     args = parser.parse_args()
     args.out = args.out or args.runs_dir.with_suffix(".md")
+    if args.deterministic and not args.cell:
+        parser.error("--deterministic: only with --cell (the registered grid runs "
+                     "asynchronously)")
     if args.cell:  # a cell again: beside the study, not in it
-        args.runs_dir = args.runs_dir.with_name(args.runs_dir.name + "-cells")
+        args.runs_dir = args.runs_dir.with_name(
+            args.runs_dir.name + ("-cells-deterministic" if args.deterministic else "-cells"))
         args.results = args.runs_dir
     if args.report:
         args.out.parent.mkdir(parents=True, exist_ok=True)

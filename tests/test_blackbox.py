@@ -377,3 +377,15 @@ def test_a_run_stopped_by_failing_groups_kills_the_agents_in_flight_and_exits_cl
         done.stderr, done.stderr[-3000:]
     assert_clean_exit(done.stderr)
     assert not host_processes_mentioning(marker)
+
+
+def test_seeded_sampling_reaches_the_agents_requests_through_the_proxy(vllm_server, tmp_path):
+    """``seeded_sampling``: the proxy serves the agent's requests outside the rollout's
+    task, with the rollout's seeds: the same group sampled twice is the same, and its two
+    rollouts differ."""
+    groups = [one_group(make_env(vllm_server, tmp_path, sandbox_backend="unsafe_subprocess",
+                                 sandbox_allow_unsafe=True, seeded_sampling=True, seed=3))
+              for _ in range(2)]
+    assert None not in groups
+    first, second = ([t.tokens for t in g.trajectories] for g in groups)
+    assert first == second and first[0] != first[1]

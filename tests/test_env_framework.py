@@ -356,3 +356,47 @@ def test_pool_routes_around_a_dead_server(vllm_server):
 
     with pytest.raises(InferenceError, match="failed after 2 attempts"):
         asyncio.run(all_dead())
+
+
+def test_lockstep_serve_waits_for_each_policy_version_and_seeded_runs_repeat(vllm_server,
+                                                                            tmp_path):
+    """``groups_per_policy_version: 2`` with ``seeded_sampling``: the env delivers 2 groups,
+    in item order, and starts no more until the policy version moves; a second run of
+    the same settings samples exactly the same tokens (temperature 1, 8 rollouts in
+    flight at once, so vLLM batches them differently each time)."""
+    async def one_run(name: str):
+        async with running_api() as (url, _api):
+            async with RolloutAPIClient(url) as client:
+                await client.set_policy_version(0)
+                env = arithmetic_env(vllm_server, group_size=4, total_groups=4, api_url=url,
+                                     seeded_sampling=True, groups_per_policy_version=2,
+                                     concurrency=8, max_turns=2, seed=5,
+                                     spool_path=tmp_path / f"{name}.jsonl")
+                await env.start()
+                try:
+                    serving = asyncio.create_task(env.serve())
+                    while (await client.status())["queue_size"] < 2:
+                        assert not serving.done(), serving.exception()
+                        await asyncio.sleep(0.1)
+                    await asyncio.sleep(2.0)  # lockstep: nothing more under version 0
+                    held = (await client.status())["queue_size"]
+                    await client.set_policy_version(1)
+                    await asyncio.wait_for(serving, 300)
+                finally:
+                    await env.close()
+                await client.register_trainer(batch_size=16, max_token_len=1024)
+                batch = await client.lease()
+        return held, batch.groups
+
+    held, first = asyncio.run(one_run("a"))
+    _, second = asyncio.run(one_run("b"))
+    assert held == 2 and len(first) == 4
+    assert [g.trajectories[0].policy_version for g in first] == [0, 0, 1, 1]
+    # items in the env's order (arith-SEED-INDEX); a dropped group's item is skipped
+    indices = [int(g.item_id.rsplit("-", 1)[1]) for g in first]
+    assert indices == sorted(indices)
+    assert [g.item_id for g in second] == [g.item_id for g in first]
+    tokens = [[t.tokens for t in g.trajectories] for g in first]
+    assert [[t.tokens for t in g.trajectories] for g in second] == tokens
+    # the rollouts of a group differ (each has its own seed stream)
+    assert all(len({tuple(t) for t in group}) > 1 for group in tokens)

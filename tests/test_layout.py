@@ -97,6 +97,31 @@ def test_a_layout_that_cannot_work_is_refused_naming_what_to_change(tmp_path, ch
         config(tmp_path, **changes).check_layout()
 
 
+def test_a_deterministic_run_puts_its_env_in_lockstep_with_the_trainer_or_says_why_not(
+        tmp_path):
+    one_env = {"envs": [{"name": "arithmetic_tool", "settings": ENV}], "vllm": {},
+               "train": {"batch_size": 8, "sync_every": 3, "steps": 2}}
+    run = config(tmp_path, deterministic=True, **one_env)
+    run.check_sections()
+    (env,) = build_layout(run).envs
+    # one trainer sync's groups: 3 steps of 8 sequences, groups of 4
+    assert env.settings[1]["seeded_sampling"] is True
+    assert env.settings[1]["groups_per_policy_version"] == 6
+    assert "seeded_sampling" not in build_layout(config(tmp_path, **one_env)).envs[0].settings[1]
+    refusals = [
+        (config(tmp_path, deterministic=True), "deterministic: give one env server"),
+        (config(tmp_path, deterministic=True, **{**one_env, "train": {
+            "batch_size": 8, "dynamic_sampling": True}}),
+         "deterministic: train.dynamic_sampling asks for groups beyond each batch"),
+        (config(tmp_path, deterministic=True, **{**one_env, "envs": [{
+            "name": "arithmetic_tool", "settings": {**ENV, "groups_per_policy_version": 4}}]}),
+         r"groups_per_policy_version is 4, but deterministic sets it to 6; remove it"),
+    ]
+    for run, error in refusals:
+        with pytest.raises(ValueError, match=error):
+            run.check_sections()
+
+
 def test_shared_devices_may_be_given_twice_on_purpose(tmp_path):
     run = config(tmp_path, train={"nproc": 2, "devices": [3, 4], "batch_size": 8},
                  shared_devices=[3])

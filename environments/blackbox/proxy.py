@@ -62,6 +62,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -71,7 +72,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from environments.inference.backends import VLLMBackend
+from environments.inference.backends import VLLMBackend, current_seeds, sampling_seeds
 from environments.inference.chat_template import ChatRenderer, ChatTemplateError
 from environments.inference.tool_parsers import ToolCallParser
 from environments.inference.vllm_client import ContextLengthError, InferenceError
@@ -321,6 +322,9 @@ class InterceptedRollout:
     requests: int = 0
     refused: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    seeds: Iterator[int] | None = None
+    """The sampling seeds of the rollout that opened it (``seeded_sampling``): the
+    agent's requests draw from them in the order they arrive."""
 
     def to_rollout_state(self) -> Rollout:
         """The trajectory so far: tokens of every segment, turns in order, the last
@@ -400,7 +404,7 @@ class InterceptionProxy:
         """A new rollout: its id (in the URL) and its token (the agent's API key).
         ``backend``: its sampling settings (default: the proxy's; e.g. the eval ones)."""
         rollout = InterceptedRollout(uuid.uuid4().hex, secrets.token_urlsafe(32),
-                                     backend or self.backend)
+                                     backend or self.backend, seeds=current_seeds())
         self.rollouts[rollout.id] = rollout
         return rollout
 
@@ -582,7 +586,8 @@ class InterceptionProxy:
                                      body.max_completion_tokens) if x is not None)
         version = self.policy_version()
         try:
-            generated = await rollout.backend.generate_from(context, max_tokens)
+            with sampling_seeds(rollout.seeds):  # (the handler is not the rollout's task)
+                generated = await rollout.backend.generate_from(context, max_tokens)
         except ContextLengthError as error:  # a server whose limit the start check missed
             undo()
             rollout.limit = "max_tokens"

@@ -34,6 +34,7 @@ would fail) does ``process``/``serve`` stop with an error (the CLI exits 1).
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import inspect
 import logging
@@ -65,6 +66,7 @@ from environments.framework.rewards import (
 )
 from environments.framework.stats import ci95
 from environments.framework.tools import Tool
+from environments.inference.backends import sampling_seeds
 from environments.inference.tool_parsers import get_parser
 from environments.rollout import Rollout
 from environments.settings import load_settings
@@ -139,6 +141,16 @@ class EnvConfig(BaseModel):
     """Groups whose trajectories all score the same carry no GRPO signal: dropped (and
     counted) unless this is set."""
     seed: int = 0
+    seeded_sampling: bool = False
+    """Send every sampling request with a seed drawn from ``seed``, the item, how many times
+    it was drawn before, the rollout's place in its group and the turn: the same policy
+    then samples the same tokens for it on any run (docs/determinism.md)."""
+    groups_per_policy_version: int | None = Field(default=None, ge=1)
+    """Lockstep: take items in order until this many groups are delivered, send them in
+    item order, then (``serve``) wait for the next policy version before the next ones.
+    With this many groups per trainer sync and ``seeded_sampling``, what the trainer gets
+    does not depend on timing. None: groups flow as fast as ``concurrency`` and
+    ``max_queued_groups`` let them."""
     max_failed_groups_in_a_row: int = Field(default=20, ge=1)
     """Stop with an error when this many groups in a row fail (a broken setup, e.g. a
     prompt longer than max_token_length, would otherwise retry forever)."""
@@ -263,6 +275,7 @@ class BaseEnv:
         self._failed_in_a_row = 0
         self.last_error: str | None = None
         self._rollout_slots = asyncio.Semaphore(self.config.concurrency)
+        self._draws: collections.Counter[tuple[str, str]] = collections.Counter()
         self._reward_functions = env_reward_functions(self)
         if self._reward_functions:
             cls = type(self)
@@ -336,7 +349,9 @@ class BaseEnv:
     async def evaluate(self) -> dict[str, Any]:
         """One rollout per eval item (eval temperature); returns mean metrics."""
         items = await self.eval_items()
-        results = await asyncio.gather(*(self._eval_one(item) for item in items),
+        keys = [self._seed_keys(item, 1, "eval")[0] for item in items]
+        results = await asyncio.gather(*(self._eval_one(item, key)
+                                         for item, key in zip(items, keys)),
                                        return_exceptions=True)
         ok = [r for r in results if not isinstance(r, BaseException)]
         for item, r in zip(items, results):
@@ -370,8 +385,9 @@ class BaseEnv:
                                               metadata={"evaluation": True}))
         return metrics
 
-    async def _eval_one(self, item: Any) -> tuple[Rollout, ScoredTrajectory]:
-        rollout, scores = await self._rollout(item, evaluation=True)
+    async def _eval_one(self, item: Any, seed_key: str | None = None
+                        ) -> tuple[Rollout, ScoredTrajectory]:
+        rollout, scores = await self._rollout(item, evaluation=True, seed_key=seed_key)
         return rollout, self.to_trajectory(item, rollout, scores)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -546,9 +562,20 @@ class BaseEnv:
                       "metrics": {**reward_metrics(rollout.reward_values),
                                   **self.rollout_metrics(item, rollout, scores)}})
 
-    async def _rollout(self, item: Any, *, evaluation: bool = False
-                       ) -> tuple[Rollout, float | list[float]]:
-        """One rollout within the concurrency limit, scored.
+    def _seed_keys(self, item: Any, n: int, kind: str) -> list[str | None]:
+        """The sampling-seed keys of ``n`` rollouts of ``item`` (``seeded_sampling``; else
+        None): seed, kind, item id, how many times the item was drawn, rollout index."""
+        if not self.config.seeded_sampling:
+            return [None] * n
+        item_id = self.item_id(item)
+        draw = self._draws[kind, item_id]
+        self._draws[kind, item_id] += 1
+        return [f"{self.config.seed}/{kind}/{item_id}/{draw}/{i}" for i in range(n)]
+
+    async def _rollout(self, item: Any, *, evaluation: bool = False,
+                       seed_key: str | None = None) -> tuple[Rollout, float | list[float]]:
+        """One rollout within the concurrency limit, scored (its requests seeded from
+        ``seed_key``'s stream when one is given).
 
         The per-rollout state (``new_rollout_state``) is the current rollout state of this
         task while ``collect_trajectory`` runs; its snapshot is taken as soon as it
@@ -558,8 +585,9 @@ class BaseEnv:
             state = await _maybe_await(self.new_rollout_state(item))
             token = set_rollout_state(state)
             try:  # (user overrides may take no `evaluation`)
-                rollout = await (self.collect_trajectory(item, evaluation=True) if evaluation
-                                 else self.collect_trajectory(item))
+                with sampling_seeds(seed_key):
+                    rollout = await (self.collect_trajectory(item, evaluation=True)
+                                     if evaluation else self.collect_trajectory(item))
                 try:
                     snapshot = self.snapshot_state(state)
                 except Exception as error:
@@ -583,8 +611,8 @@ class BaseEnv:
         Returns None (and counts why) when the group must not be sent.
         """
         item_id = self.item_id(item)
-        results = await asyncio.gather(*(self._rollout(item)
-                                         for _ in range(self.config.group_size)),
+        keys = self._seed_keys(item, self.config.group_size, "train")
+        results = await asyncio.gather(*(self._rollout(item, seed_key=key) for key in keys),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

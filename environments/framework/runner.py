@@ -23,9 +23,13 @@ from environments.framework.delivery import APIDelivery, JSONLDelivery, Mirrored
 log = logging.getLogger(__name__)
 
 
-async def run_groups(env: Any, delivery: Any, n_groups: int | None) -> None:
+async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
+                     follows_policy: bool = False) -> None:
     """Collect groups with enough concurrency to keep ``concurrency`` rollouts busy and
-    hand each to ``delivery.send``, until ``n_groups`` were delivered."""
+    hand each to ``delivery.send``, until ``n_groups`` were delivered. With
+    ``groups_per_policy_version`` set: :func:`run_lockstep`."""
+    if env.config.groups_per_policy_version is not None:
+        return await run_lockstep(env, delivery, n_groups, follows_policy=follows_policy)
     workers = max(1, math.ceil(env.config.concurrency / env.config.group_size)) + 1
     if n_groups is not None:
         workers = min(workers, n_groups)
@@ -43,23 +47,15 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None) -> None:
                 await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
                 continue
             in_progress += 1
-            item = None
             try:
-                item = await env.get_next_item()
-                group = await env.collect_group(item)
-            except Exception as error:  # a hook outside the rollouts: one failed group
-                env.group_failed(env._item_id_or_none(item), error,
-                                  "the group could not be collected", traceback=True)
+                group = await _one_group(env, await env.get_next_item())
+            except Exception as error:  # get_next_item raised: one failed group
+                env.group_failed(None, error, "the group could not be collected",
+                                 traceback=True)
                 group = None
             finally:
                 in_progress -= 1
-            if env._failed_in_a_row >= env.config.max_failed_groups_in_a_row:
-                s = env.stats
-                raise RuntimeError(
-                    f"{env._failed_in_a_row} groups in a row failed, so the setup looks "
-                    f"broken ({s.groups_sent} groups sent, {s.groups_failed} failed, "
-                    f"{s.reward_errors} reward errors in all); last error: "
-                    f"{env.last_error}")
+            _check_failures(env)
             if group is None:
                 continue
             if n_groups is not None and reserved >= n_groups:
@@ -86,6 +82,67 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         finished.cancel()
+
+
+async def _one_group(env: Any, item: Any) -> Any:
+    """``env.collect_group(item)``; a hook that raises outside the rollouts: one failed
+    group (None)."""
+    try:
+        return await env.collect_group(item)
+    except Exception as error:
+        env.group_failed(env._item_id_or_none(item), error,
+                         "the group could not be collected", traceback=True)
+        return None
+
+
+def _check_failures(env: Any) -> None:
+    if env._failed_in_a_row >= env.config.max_failed_groups_in_a_row:
+        s = env.stats
+        raise RuntimeError(
+            f"{env._failed_in_a_row} groups in a row failed, so the setup looks broken "
+            f"({s.groups_sent} groups sent, {s.groups_failed} failed, {s.reward_errors} "
+            f"reward errors in all); last error: {env.last_error}")
+
+
+async def run_lockstep(env: Any, delivery: Any, n_groups: int | None, *,
+                       follows_policy: bool, poll_s: float = 0.05) -> None:
+    """``groups_per_policy_version`` groups at a time: their items taken in order, the
+    groups collected together (within ``concurrency``) and delivered in item order; a
+    group that is dropped (equal scores, failed) is replaced by the next items, so each
+    round delivers exactly that many. With ``follows_policy`` (``serve``), the next round
+    waits for the policy version to move past the one the round started under: every
+    group of a round is sampled from one policy, and the trainer's next batch holds
+    exactly that round."""
+    per_round = env.config.groups_per_policy_version
+    delivered = 0
+    while n_groups is None or delivered < n_groups:
+        version = env.policy_version
+        want = per_round if n_groups is None else min(per_round, n_groups - delivered)
+        sent = 0
+        while sent < want:
+            items = []
+            for _ in range(want - sent):
+                try:
+                    items.append(await env.get_next_item())
+                except Exception as error:  # one failed group
+                    env.group_failed(None, error, "the group could not be collected",
+                                     traceback=True)
+                    _check_failures(env)
+            groups = await asyncio.gather(*(_one_group(env, item) for item in items))
+            _check_failures(env)
+            for group in groups:
+                if group is None:
+                    continue
+                group.env_id = getattr(env, "env_id", None)
+                await delivery.send(group)
+                if env.queued_groups is not None:
+                    env.queued_groups += 1
+                env.stats.groups_sent += 1
+                sent += 1
+        delivered += sent
+        if follows_policy and (n_groups is None or delivered < n_groups):
+            while env.policy_version == version:
+                await asyncio.sleep(poll_s)
 
 
 async def process(env: Any, out: str | Path, n_groups: int) -> dict[str, Any]:
@@ -117,10 +174,13 @@ async def serve(env: Any) -> dict[str, Any]:
         copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
         await api.start()
         await poll_status(env, client)
-        poller = asyncio.create_task(follow_status(env, client))
+        # lockstep waits on the version: polled more often
+        poller = asyncio.create_task(follow_status(
+            env, client, 0.1 if config.groups_per_policy_version else 0.5))
 
         try:
-            await run_groups(env, Mirrored(api, copy), config.total_groups)
+            await run_groups(env, Mirrored(api, copy), config.total_groups,
+                             follows_policy=True)
         finally:
             poller.cancel()
             await api.close()

@@ -6,17 +6,62 @@
   API (the ``openai`` package; any hosted model or a vLLM server). The model's own tokens
   are unknown, so the turn is rendered with the local chat template and tokenized; such
   trajectories have no logprobs and are marked not trainable.
+
+Seeded sampling: inside :func:`sampling_seeds`, each request :class:`VLLMBackend` sends
+carries a seed (vLLM's per-request generator), the n-th request the n-th seed of the
+stream named by the key. The same key and the same policy give the same tokens, whatever
+else the server is sampling at the time (up to the numerics of batching, see
+docs/determinism.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from environments.inference.chat_template import ChatRenderer
 from environments.inference.tool_parsers import get_parser
 from environments.inference.vllm_client import VLLMServerPool
 from environments.rollout import GeneratedTurn, Rollout
+
+
+_SEEDS: contextvars.ContextVar[Iterator[int] | None] = contextvars.ContextVar(
+    "lachesis_sampling_seeds", default=None)
+
+
+def seed_stream(key: str) -> Iterator[int]:
+    """The seeds of stream ``key``: request n gets the first 63 bits of
+    sha256(key/n), so streams of different keys do not overlap in practice."""
+    n = 0
+    while True:
+        yield int.from_bytes(hashlib.sha256(f"{key}/{n}".encode()).digest()[:8], "big") >> 1
+        n += 1
+
+
+@contextlib.contextmanager
+def sampling_seeds(key: str | Iterator[int] | None) -> Iterator[None]:
+    """Seed the requests of the current task (and the tasks it starts) from ``key``'s
+    stream, or go on with a stream taken from another task (:func:`current_seeds`, e.g.
+    the interception proxy serving a rollout's agent); None: unseeded."""
+    token = _SEEDS.set(seed_stream(key) if isinstance(key, str) else key)
+    try:
+        yield
+    finally:
+        _SEEDS.reset(token)
+
+
+def current_seeds() -> Iterator[int] | None:
+    """The seed stream the current task's requests draw from (None: unseeded)."""
+    return _SEEDS.get()
+
+
+def next_sampling_seed() -> int | None:
+    stream = _SEEDS.get()
+    return None if stream is None else next(stream)
 
 
 class VLLMBackend:
@@ -35,8 +80,10 @@ class VLLMBackend:
     async def generate_from(self, token_ids: list[int], max_tokens: int) -> GeneratedTurn:
         """One assistant turn continuing ``token_ids`` (which end with the generation
         prompt)."""
+        seed = next_sampling_seed()
+        sampling = self.sampling if seed is None else {**self.sampling, "seed": seed}
         completion = await self.pool.complete(token_ids, max_tokens=max_tokens,
-                                              sampling=self.sampling)
+                                              sampling=sampling)
         ids = completion.token_ids
         # vLLM includes the stop token in token_ids. The chat template's end-of-turn token
         # ends the turn as the template would; another stop id (e.g. <|endoftext|>) stays

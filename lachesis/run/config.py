@@ -182,6 +182,12 @@ class RunConfig(_Section):
     shared_devices: list[int] = Field(default_factory=list)
     """GPUs that may be given to more than one process on purpose (e.g. a small model's
     vLLM replica beside a trainer rank); any other device given twice is an error."""
+    deterministic: bool = False
+    """Synchronous, seeded RL (docs/determinism.md): the env seeds every sampling request
+    (``seeded_sampling``) and works in lockstep with the trainer
+    (``groups_per_policy_version``: the groups of one trainer sync), so what the trainer
+    gets does not depend on timing. One env server of a Lachesis env; no dynamic
+    sampling. Slower: generation waits for each weight update."""
 
     @field_validator("name")
     @classmethod
@@ -302,7 +308,7 @@ class RunConfig(_Section):
         if self.lora is not None and "lora" in self.train:
             raise ValueError("lora: set it at the top level or under train, not both")
         check("train", "train", TrainConfig, self.rl_train, model=self.model)
-        problems = batch_problems(self)
+        problems = batch_problems(self) + self.determinism_problems()
         if problems:
             raise ValueError(problems[0])
         if self.warm_start is not None:
@@ -316,6 +322,35 @@ class RunConfig(_Section):
                   self.warm_start.settings)
             check("warm_start.train", "train", TrainConfig, self.warm_start.train,
                   model=self.model)
+
+
+    def lockstep_groups(self) -> int:
+        """Groups per policy version in a ``deterministic`` run: one trainer sync's."""
+        from trainer.config import TrainConfig
+
+        train = TrainConfig.model_validate({"model": self.model, **self.rl_train})
+        return train.batch_size * train.sync_every // env_facts(self.envs[0])["group_size"]
+
+    def determinism_problems(self) -> list[str]:
+        """What keeps a ``deterministic`` run from being one (empty when it is not asked)."""
+        if not self.deterministic:
+            return []
+        env = self.envs[0]
+        if len(self.envs) > 1 or env.count > 1:
+            return ["deterministic: give one env server (one entry in envs, count 1); the "
+                    "API's mix of several envs' groups depends on timing"]
+        if env_facts(env)["kind"] != "lachesis":
+            return [f"deterministic: envs[0] ({env.name}) is an atroposlib env, which "
+                    "samples through its own client; only Lachesis envs seed their requests"]
+        if self.train.get("dynamic_sampling"):
+            return ["deterministic: train.dynamic_sampling asks for groups beyond each "
+                    "batch, which lockstep does not make; turn one of them off"]
+        fixed = {"seeded_sampling": True, "groups_per_policy_version": self.lockstep_groups()}
+        for key, value in fixed.items():
+            if key in env.settings and env.settings[key] != value:
+                return [f"envs[0] ({env.name}).settings: {key} is {env.settings[key]!r}, "
+                        f"but deterministic sets it to {value!r}; remove it"]
+        return []
 
 
 _FACTS: dict[str, dict[str, Any]] = {}

@@ -233,8 +233,10 @@ def build_layout(config: RunConfig, model: str | None = None,
                                "base_url": f"{bridge.url}/v1", "tokenizer_name": model,
                                "model_name": "policy", "server_type": "vllm"}}
             else:
+                lockstep = {"seeded_sampling": True, "groups_per_policy_version":
+                            config.lockstep_groups()} if config.deterministic else {}
                 settings = {
-                    **env.settings, "api_url": api_url, "inference_servers": urls,
+                    **env.settings, **lockstep, "api_url": api_url, "inference_servers": urls,
                     "tokenizer": model, "env_weight": env.weight / env.count,
                     "jsonl_out": run_dir / "trajectories" / f"{label}.jsonl",
                     "spool_path": run_dir / "spool" / f"{label}.jsonl"}
