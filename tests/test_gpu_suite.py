@@ -46,3 +46,18 @@ def test_the_full_shapes_refuse_a_cpu(tmp_path):
     done = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--device", "cpu",
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "--device cpu --tiny" in done.stderr
+
+
+def test_the_trainer_repeat_check_runs_both_modes_and_the_deterministic_one_repeats(tmp_path):
+    """``benchmarks/trainer_repeat.py`` (the GPU check of ``train.deterministic``) on the CPU
+    tiny model: with deterministic kernels (no op of the trainer lacks one: one would
+    raise) the trainer's steps run, move the weights and repeat bit for bit."""
+    out = tmp_path / "repeat.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/trainer_repeat.py", "--batch-size", "4", "--seq-len", "128",
+         "--steps", "2", "--modes", "deterministic", "--json", str(out)], cwd=REPO,
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    r = json.loads(out.read_text())["deterministic"]
+    assert r["largest_update"] > 0 and r["elements"] > 0 and r["ms_per_step"] > 0
+    assert r["identical"] and r["warnings"] == []

@@ -133,6 +133,10 @@ class TrainConfig(BaseModel):
     the ranks (FSDP2 ``fully_shard``); ``replicate`` keeps a full copy per rank and
     all-reduces gradients; ``auto`` is ``fsdp`` on GPU and ``replicate`` on CPU."""
     seed: int = 0
+    deterministic: bool = False
+    """Only deterministic kernels (``torch.use_deterministic_algorithms``, cuBLAS with a
+    fixed workspace): on a GPU the same batches then give the same weights
+    (docs/determinism.md). On a CPU the trainer repeats without it."""
     # vLLM weight sync
     vllm_urls: list[str] = Field(default_factory=list)
     """Running vLLM servers (started with VLLM_SERVER_DEV_MODE=1) to sync weights into."""

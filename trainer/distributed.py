@@ -22,6 +22,16 @@ def init_distributed() -> tuple[int, int]:
     return (dist.get_rank() if world > 1 else 0), world
 
 
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels only, from here on: ``torch.use_deterministic_algorithms``
+    (an op without a deterministic kernel raises, naming itself) and the cuBLAS workspace
+    setting that makes its matmuls repeat. Call it before the first CUDA matmul: cuBLAS
+    reads ``CUBLAS_WORKSPACE_CONFIG`` when it starts."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def uses_fsdp(config: TrainConfig, world: int) -> bool:
     if world == 1:
         return False

@@ -52,6 +52,7 @@ from trainer.distributed import (
     init_distributed,
     optimizer_state,
     shard_model,
+    use_deterministic_kernels,
     uses_fsdp,
 )
 from trainer.logprobs import (
@@ -299,6 +300,8 @@ def train_steps(model, optimizer, batch: TrainBatch, config: TrainConfig,
 async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if config.deterministic:
+        use_deterministic_kernels()
     rank, world = init_distributed()
     leader = rank == 0
     random.seed(config.seed)

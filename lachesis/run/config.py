@@ -186,8 +186,9 @@ class RunConfig(_Section):
     """Synchronous, seeded RL (docs/determinism.md): the env seeds every sampling request
     (``seeded_sampling``) and works in lockstep with the trainer
     (``groups_per_policy_version``: the groups of one trainer sync), so what the trainer
-    gets does not depend on timing. One env server of a Lachesis env; no dynamic
-    sampling. Slower: generation waits for each weight update."""
+    gets does not depend on timing, and the trainer uses deterministic kernels
+    (``train.deterministic``). One env server of a Lachesis env; no dynamic sampling.
+    Generation waits for each weight update (no overlap with training)."""
 
     @field_validator("name")
     @classmethod
@@ -345,6 +346,9 @@ class RunConfig(_Section):
         if self.train.get("dynamic_sampling"):
             return ["deterministic: train.dynamic_sampling asks for groups beyond each "
                     "batch, which lockstep does not make; turn one of them off"]
+        if self.train.get("deterministic") is False:
+            return ["deterministic: train.deterministic is false, but a deterministic run "
+                    "needs the trainer's deterministic kernels; remove it"]
         fixed = {"seeded_sampling": True, "groups_per_policy_version": self.lockstep_groups()}
         for key, value in fixed.items():
             if key in env.settings and env.settings[key] != value:

@@ -249,7 +249,8 @@ def build_layout(config: RunConfig, model: str | None = None,
 
     train_yaml = configs / "train.yaml"
     trainers = trainer_processes(config, "trainer", train_yaml, {
-        **config.rl_train, "model": model, "mode": "rl", "api_url": api_url,
+        **config.rl_train, **({"deterministic": True} if config.deterministic else {}),
+        "model": model, "mode": "rl", "api_url": api_url,
         "vllm_urls": urls, "vllm_supervised": True, "run_dir": run_dir / "trainer"}, place)
     return Layout(api, replicas, envs, trainers, backends, bridge)
 
