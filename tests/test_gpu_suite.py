@@ -48,7 +48,7 @@ def test_the_full_shapes_refuse_a_cpu(tmp_path):
     assert done.returncode == 2 and "--device cpu --tiny" in done.stderr
 
 
-def test_the_trainer_repeat_check_runs_both_modes_and_the_deterministic_one_repeats(tmp_path):
+def test_the_trainer_repeat_check_runs_and_deterministic_kernels_repeat_bit_for_bit(tmp_path):
     """``benchmarks/trainer_repeat.py`` (the GPU check of ``train.deterministic``) on the CPU
     tiny model: with deterministic kernels (no op of the trainer lacks one: one would
     raise) the trainer's steps run, move the weights and repeat bit for bit."""

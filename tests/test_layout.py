@@ -107,7 +107,9 @@ def test_a_deterministic_run_puts_its_env_in_lockstep_with_the_trainer_or_says_w
     # one trainer sync's groups: 3 steps of 8 sequences, groups of 4
     assert env.settings[1]["seeded_sampling"] is True
     assert env.settings[1]["groups_per_policy_version"] == 6
-    assert build_layout(run).trainer.settings[1]["deterministic"] is True
+    layout = build_layout(run)
+    assert layout.trainer.settings[1]["deterministic"] is True
+    assert "--no-enable-chunked-prefill" in layout.replicas[0].command  # whole prefills
     assert "seeded_sampling" not in build_layout(config(tmp_path, **one_env)).envs[0].settings[1]
     refusals = [
         (config(tmp_path, deterministic=True), "deterministic: give one env server"),

@@ -131,6 +131,9 @@ class EnvConfig(BaseModel):
     openai_base_url: str | None = None
     openai_api_key: str | None = Field(default_factory=lambda: os.environ.get("OPENAI_API_KEY"))
     request_timeout_s: float = Field(default=300.0, gt=0)
+    inference_outage_wait_s: float = Field(default=600.0, ge=0)
+    """When no inference server is healthy (a vLLM being restarted), requests wait this
+    long for one to come back before they fail (and fail their groups)."""
     tool_parser: str = "hermes"
     # output and run length
     jsonl_out: Path | None = None
@@ -423,7 +426,8 @@ class BaseEnv:
         config = self.config
         if config.inference == "vllm":
             self._pool = VLLMServerPool(config.inference_servers, config.model,
-                                        timeout_s=config.request_timeout_s)
+                                        timeout_s=config.request_timeout_s,
+                                        outage_wait_s=config.inference_outage_wait_s)
             await self._pool.start()
             check_context_limits(config.max_token_length, config.max_tokens_per_turn,
                                  self._pool.context_limits, self._pool.model)

@@ -10,7 +10,9 @@ unhealthy and the request is retried on another one with exponential backoff; an
 unhealthy server gets requests again once ``GET /health`` answers 200 (checked in the
 background every ``health_interval_s``). A 404 (the server does not serve the requested
 model: a replica restarted on the base model before its LoRA adapter is loaded again) is
-treated the same way; any other 4xx is the request's own fault and is not retried.
+treated the same way; any other 4xx is the request's own fault and is not retried. When
+no server is healthy (one vLLM, being restarted), requests wait for one to answer
+``/health`` (every second, up to ``outage_wait_s``) instead of spending their retries.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +78,10 @@ class VLLMServerPool:
 
     def __init__(self, urls: list[str], model: str | None = None, *, api_key: str | None = None,
                  timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5,
-                 health_interval_s: float = 5.0):
+                 health_interval_s: float = 5.0, outage_wait_s: float = 600.0):
+        """``outage_wait_s``: how long a request waits for a server to answer ``/health``
+        again when none is healthy (a supervised vLLM restarting) before it fails; the
+        wait spends none of its ``retries``."""
         if not urls:
             raise ValueError("at least one inference server URL is needed")
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
@@ -85,10 +91,12 @@ class VLLMServerPool:
         self.retries = retries
         self.backoff_s = backoff_s
         self.health_interval_s = health_interval_s
+        self.outage_wait_s = outage_wait_s
         self.stats = PoolStats()
         self._round_robin = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+        self._outage: asyncio.Future | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> VLLMServerPool:
@@ -173,6 +181,30 @@ class VLLMServerPool:
             await asyncio.sleep(self.health_interval_s)
             await asyncio.gather(*(self._check(s) for s in self.servers if not s.healthy))
 
+    async def _wait_for_a_server(self, poll_s: float = 1.0) -> None:
+        """Return once a server is healthy; while none is, check them all every ``poll_s``
+        (one wait for every request that finds them all down), for at most
+        ``outage_wait_s``."""
+        if any(s.healthy for s in self.servers):
+            return
+        if self._outage is None or self._outage.done():
+            self._outage = asyncio.ensure_future(self._outage_watch(poll_s))
+        await asyncio.shield(self._outage)
+
+    async def _outage_watch(self, poll_s: float) -> None:
+        log.warning("no inference server is healthy; waiting up to %.0f s for one to answer",
+                    self.outage_wait_s)
+        deadline = time.monotonic() + self.outage_wait_s
+        while True:
+            await asyncio.gather(*(self._check(s) for s in self.servers))
+            if any(s.healthy for s in self.servers):
+                return
+            if time.monotonic() >= deadline:
+                raise InferenceError(
+                    f"no inference server answered for {self.outage_wait_s:.0f} s: " +
+                    "; ".join(f"{s.url}: {s.last_error}" for s in self.servers))
+            await asyncio.sleep(poll_s)
+
     def _pick(self, exclude: set[str]) -> ServerState:
         candidates = [s for s in self.servers if s.healthy and s.url not in exclude]
         if not candidates:  # all tried or unhealthy: try anything healthy, then anything
@@ -196,6 +228,11 @@ class VLLMServerPool:
                 self.stats.retries += 1
                 delay = self.backoff_s * 2 ** (attempt - 1)
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            try:
+                await self._wait_for_a_server()
+            except InferenceError:
+                self.stats.failures += 1
+                raise
             server = self._pick(tried)
             tried.add(server.url)
             server.in_flight += 1

@@ -187,6 +187,8 @@ def build_layout(config: RunConfig, model: str | None = None,
         {**config.rl_train, "model": model}))
     tp_args = ["--tensor-parallel-size", str(v.tensor_parallel_size)] \
         if v.tensor_parallel_size > 1 else []
+    if config.deterministic:
+        tp_args += deterministic_vllm_args(v.max_model_len)
     replicas = []
     for i, devices in enumerate(config.replica_devices):
         name = "vllm" if v.replicas == 1 else f"vllm-{i}"
@@ -253,6 +255,16 @@ def build_layout(config: RunConfig, model: str | None = None,
         "model": model, "mode": "rl", "api_url": api_url,
         "vllm_urls": urls, "vllm_supervised": True, "run_dir": run_dir / "trainer"}, place)
     return Layout(api, replicas, envs, trainers, backends, bridge)
+
+
+def deterministic_vllm_args(max_model_len: int) -> list[str]:
+    """vLLM's flags for a deterministic run: whole prefills only. A chunked prefill splits a
+    prompt where the step's token budget runs out, which depends on what else is
+    scheduled; and vLLM's CPU build crashes (``CPU Generator does not use offset``) when a
+    seeded request's prefill is chunked. Without chunking the step budget must hold a
+    whole ``max_model_len`` prompt."""
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+            str(max(max_model_len, 2048))]
 
 
 def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
