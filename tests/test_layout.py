@@ -322,3 +322,14 @@ def test_run_refuses_to_start_on_what_the_plan_flags(tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "vllm: device(s) [99] asked for, but this machine has" in done.stderr
     assert not (tmp_path / "runs" / "nogpu" / "logs").exists()  # nothing started
+
+
+def test_ports_handed_out_are_below_the_ephemeral_range_and_never_twice():
+    """A run picks its processes' ports before they bind them; picked from the ephemeral
+    range (a port-0 bind), one could be taken in between by any outgoing connection on
+    the machine (a torchrun rendezvous failed so, EADDRINUSE, in a suite run)."""
+    from environments.inference.vllm_process import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == 200
+    assert all(20000 <= port < 32768 for port in ports)

@@ -27,7 +27,38 @@ class VLLMProcessError(RuntimeError):
     """The server exited or did not become healthy in time."""
 
 
+_HANDED_OUT: set[int] = set()
+PORTS_BELOW_EPHEMERAL = (20000, 32768)
+"""Where :func:`free_port` picks: above Ray's worker ports (10002-19999), below Linux's
+ephemeral range (``ip_local_port_range``, 32768-60999 by default)."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return PORTS_BELOW_EPHEMERAL[1]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a process that binds it later. Picked at random below the
+    kernel's ephemeral range, where it can't be taken in between by another program's
+    outgoing connection or port-0 bind (those use only that range), and never twice in
+    this process; falls back to a port-0 bind where that range is too small."""
+    import random
+
+    low, high = PORTS_BELOW_EPHEMERAL[0], min(PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+    for _ in range(100 if high - low >= 1000 else 0):
+        port = random.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
