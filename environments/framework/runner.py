@@ -61,12 +61,8 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
             if n_groups is not None and reserved >= n_groups:
                 return  # enough groups are already being delivered
             reserved += 1
-            group.env_id = getattr(env, "env_id", None)
-            await delivery.send(group)
-            if env.queued_groups is not None:  # until the next status poll says
-                env.queued_groups += 1
+            await _deliver(env, delivery, group)
             delivered += 1
-            env.stats.groups_sent += 1
             if n_groups is not None and delivered >= n_groups:
                 done.set()
 
@@ -93,6 +89,14 @@ async def _one_group(env: Any, item: Any) -> Any:
         env.group_failed(env._item_id_or_none(item), error,
                          "the group could not be collected", traceback=True)
         return None
+
+
+async def _deliver(env: Any, delivery: Any, group: Any) -> None:
+    group.env_id = getattr(env, "env_id", None)
+    await delivery.send(group)
+    if env.queued_groups is not None:  # until the next status poll says
+        env.queued_groups += 1
+    env.stats.groups_sent += 1
 
 
 def _check_failures(env: Any) -> None:
@@ -133,11 +137,7 @@ async def run_lockstep(env: Any, delivery: Any, n_groups: int | None, *,
             for group in groups:
                 if group is None:
                     continue
-                group.env_id = getattr(env, "env_id", None)
-                await delivery.send(group)
-                if env.queued_groups is not None:
-                    env.queued_groups += 1
-                env.stats.groups_sent += 1
+                await _deliver(env, delivery, group)
                 sent += 1
         delivered += sent
         if follows_policy and (n_groups is None or delivered < n_groups):

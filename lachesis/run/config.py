@@ -324,7 +324,6 @@ class RunConfig(_Section):
             check("warm_start.train", "train", TrainConfig, self.warm_start.train,
                   model=self.model)
 
-
     def lockstep_groups(self) -> int:
         """Groups per policy version in a ``deterministic`` run: one trainer sync's."""
         from trainer.config import TrainConfig

@@ -187,8 +187,8 @@ def build_layout(config: RunConfig, model: str | None = None,
         {**config.rl_train, "model": model}))
     tp_args = ["--tensor-parallel-size", str(v.tensor_parallel_size)] \
         if v.tensor_parallel_size > 1 else []
-    if config.deterministic:
-        tp_args += deterministic_vllm_args(v.max_model_len)
+    determinism_args = deterministic_vllm_args(v.max_model_len) if config.deterministic \
+        else []
     replicas = []
     for i, devices in enumerate(config.replica_devices):
         name = "vllm" if v.replicas == 1 else f"vllm-{i}"
@@ -198,7 +198,8 @@ def build_layout(config: RunConfig, model: str | None = None,
                              kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
                              gpu_memory_utilization=v.gpu_memory_utilization,
                              served_model_name="policy",
-                             extra_args=[*tp_args, *v.args, *sync_args], env=sync_env,
+                             extra_args=[*tp_args, *determinism_args, *v.args, *sync_args],
+                             env=sync_env,
                              log_path=logs / f"{name}.log")
         environment = server.environment()
         env = {k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
