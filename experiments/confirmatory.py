@@ -54,6 +54,9 @@ ARMS = {
 BASELINE = "grpo"
 SEEDS = list(range(32))
 RESULTS = REPO / "experiments" / "results" / "confirmatory"
+# the warm start every registered run started from (weights, config, tokenizer), kept so
+# that a fresh clone runs or repeats a cell from it rather than from a rebuilt one
+WARM_START = RESULTS / "warm-start"
 COLLAPSE_BELOW = 0.5  # final-evaluation tool success below this: collapsed
 ALPHA = 0.05  # family-wise, per question, Holm over the comparisons with BASELINE
 MAX_ATTEMPTS = 3
@@ -98,6 +101,15 @@ def weights_hash(model: str) -> str:
     for path in sorted(Path(model).glob("*.safetensors")):
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def study_warm_start(args: argparse.Namespace) -> str:
+    """The study's warm start under ``RUNS_DIR``: the kept copy (``WARM_START``) when the
+    runs have none yet, else built (and then reused) by the experiment's SFT."""
+    final = args.runs_dir / "warm-start" / "warm_start" / "final"
+    if not final.exists() and WARM_START.is_dir():
+        shutil.copytree(WARM_START, final)
+    return ca.warm_start(args)
 
 
 def failures(manifest: list[dict[str, Any]], arm: str, seed: int) -> int:
@@ -329,7 +341,7 @@ def main() -> int:
         return 0
     check_arms(args)
     with held(args.lock):
-        model = ca.warm_start(args)
+        model = study_warm_start(args)
     if args.cell:
         arm, seed = args.cell[0], int(args.cell[1])
         if arm not in ARMS:

@@ -175,3 +175,16 @@ def test_an_invalid_arm_stops_the_grid_before_any_run(tmp_path, monkeypatch):
         cf.check_arms(args)
     cf.check_arms(argparse.Namespace(**{**vars(args), "arms": ["grpo", "mt_grpo", "turn_rtg"]}))
     assert not list(tmp_path.iterdir())
+
+
+def test_a_fresh_clone_starts_cells_from_the_studys_own_warm_start(tmp_path):
+    """A cell repeated on a fresh clone starts from the weights every registered run
+    started from (the manifest's hash), not from a warm start trained again."""
+    cf = load("confirmatory")
+    args = argparse.Namespace(config=REPO / "configs" / "credit_assignment.yaml",
+                              runs_dir=tmp_path / "runs", steps=None)
+    model = cf.study_warm_start(args)
+    assert Path(model) == args.runs_dir / "warm-start" / "warm_start" / "final"
+    assert not (args.runs_dir / "warm-start" / "warm_start" / "demonstrations.jsonl").exists()
+    hashes = {e["warm_start_sha256"] for e in cf.read_manifest(cf.RESULTS)}
+    assert hashes == {cf.weights_hash(model)}
