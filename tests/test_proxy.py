@@ -92,11 +92,15 @@ def test_recorded_tokens_are_exactly_what_vllm_sampled_over_turns_and_streaming(
     (prompt1, c1), (prompt2, c2) = sampled
     # the token sequence is the framework's own: prompt, turn, continuation, turn
     assert prompt1 == renderer.prompt_ids(START, TOOLS)
+    # any stop id (the random tiny model samples <|endoftext|> as well as <|im_end|>)
+    # ends the turn's text; only the template's end-of-turn token also ends it as the
+    # template would, otherwise <|im_end|> follows the sampled stop id as context
     stopped = bool(c1.token_ids) and c1.token_ids[-1] in renderer.stop_token_ids
+    ended_with_eos = stopped and c1.token_ids[-1] == renderer.tokenizer.eos_token_id
     continuation = renderer.continuation(
         START + [{"role": "assistant", "content": renderer.decode(
             c1.token_ids[:-1] if stopped else c1.token_ids)}],
-        follow_up, TOOLS, ended_with_eos=stopped)
+        follow_up, TOOLS, ended_with_eos=ended_with_eos)
     assert prompt2 == prompt1 + c1.token_ids + continuation.token_ids
     assert state.tokens == prompt2 + c2.token_ids
     for turn, completion in zip(state.turns, (c1, c2)):
