@@ -208,6 +208,11 @@ def primary_tests(per_run: dict[tuple[str, int], dict[str, float]], arms: list[s
             "accuracy": {"p": accuracy, "holm": holm(accuracy)}}
 
 
+def p_text(p: float) -> str:
+    """A p-value to 4 decimals, or to 2 significant digits below 0.001 (not 0.0000)."""
+    return f"{p:.4f}" if p >= 1e-3 else f"{p:.1e}"
+
+
 def report(args: argparse.Namespace) -> str:
     # the finished runs' values, read from the tracked results
     args = argparse.Namespace(**{**vars(args), "runs_dir": args.results})
@@ -235,7 +240,7 @@ def report(args: argparse.Namespace) -> str:
         c = sum(r["tool_success"] < COLLAPSE_BELOW for r in runs)
         rate, low, high = wilson(c, len(runs))
         mean, lo, hi = t_interval([r["correct"] for r in runs])
-        p = {q: "—" if arm == BASELINE else f"{t['p'][arm]:.4f} ({t['holm'][arm]:.4f})"
+        p = {q: "—" if arm == BASELINE else f"{p_text(t['p'][arm])} ({p_text(t['holm'][arm])})"
              for q, t in tests.items()}
         lines.append(f"| {ARMS[arm][0]} | {len(runs)} | {c} = {rate:.2f} [{low:.2f}, "
                      f"{high:.2f}] | {p['collapse']} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | "
@@ -252,8 +257,8 @@ def report(args: argparse.Namespace) -> str:
     if {"mt_grpo", "gigpo"} <= {arm for arm, _ in per_run}:
         pair = primary_tests(per_run, ["mt_grpo"], baseline="gigpo")
         lines += ["", ("Secondary, unadjusted: MT-GRPO against GiGPO, collapse (Fisher) "
-                       f"p = {pair['collapse']['p']['mt_grpo']:.4f}, answer accuracy "
-                       f"(Mann-Whitney) p = {pair['accuracy']['p']['mt_grpo']:.4f}.")]
+                       f"p = {p_text(pair['collapse']['p']['mt_grpo'])}, answer accuracy "
+                       f"(Mann-Whitney) p = {p_text(pair['accuracy']['p']['mt_grpo'])}.")]
     lines += ["", ("Every run: final tool success / answer accuracy / direct answers / "
                    "exact match / accuracy AUC."), "", "| arm | seed | values |", "|---|---:|---|"]
     lines += [f"| {arm} | {seed} | " + " / ".join(f"{v[k]:.3f}" for k in
