@@ -530,6 +530,25 @@ class ScoredData(BaseModel):
                     for k, v in data.items()}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _per_turn_lists_in_scores(cls, data: Any) -> Any:
+        """``scores`` may hold one list of per-turn scores per sequence
+        (:func:`per_turn_scores`): they move to ``turn_scores``, ``scores`` keeps the
+        outcomes."""
+        if not isinstance(data, dict) or not isinstance(data.get("scores"), list) \
+                or not isinstance(data.get("masks"), list):
+            return data
+        try:
+            moved = per_turn_scores(data["scores"], data.get("turn_scores"),
+                                    data.get("turn_spans"), data["masks"])
+        except TrajectoryError as error:
+            raise _custom_error(error) from None
+        if moved is None:
+            return data
+        scores, turn_scores, turn_spans = moved
+        return {**data, "scores": scores, "turn_scores": turn_scores, "turn_spans": turn_spans}
+
     tokens: list[list[int]] = Field(min_length=1)
     masks: list[list[int]]
     scores: list[float]
@@ -585,6 +604,58 @@ class ScoredData(BaseModel):
         except TrajectoryError as error:
             raise _custom_error(error) from None
         return self
+
+
+def trained_runs(masks: Any) -> list[list[int]]:
+    """``[start, end)`` of each maximal run of trained tokens (``masks != -100``): the
+    assistant turns of a trajectory whose tool results and prompts are masked."""
+    trained = np.concatenate([[False], np.asarray(masks) != MASKED, [False]])
+    edges = np.flatnonzero(trained[1:] != trained[:-1])
+    return [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2])]
+
+
+def per_turn_scores(scores: list, turn_scores: list | None, turn_spans: list | None,
+                    masks: list) -> tuple[list[float], list | None, list | None] | None:
+    """Per-turn lists in ``scores`` (one list per sequence, as hermes-agent's
+    ``TurnLevelRewardMixin`` sends them) in the contract's form, or None when every
+    score is a float (nothing to do).
+
+    For sequence ``i`` whose ``scores[i]`` is a list: ``turn_scores[i]`` is that list,
+    ``scores[i]`` its last entry (the outcome), and, when ``turn_spans[i]`` is absent,
+    the spans are the runs of trained tokens in ``masks[i]`` (:func:`trained_runs`); a
+    run count that differs from the list's length is a :class:`TrajectoryError` naming
+    both counts."""
+    if not any(isinstance(s, list) for s in scores):
+        return None
+    if not all(isinstance(x, (list, type(None))) for x in (turn_scores, turn_spans)):
+        return None  # the type rules name what is wrong
+    n = len(scores)
+    outcomes = list(scores)
+    turns = list(turn_scores) if turn_scores is not None else [None] * n
+    spans = list(turn_spans) if turn_spans is not None else [None] * n
+    if len(turns) != n or len(spans) != n or len(masks) != n:
+        return None  # the length rules (check_parallel_lists) name what is wrong
+    for i, score in enumerate(scores):
+        if not isinstance(score, list):
+            continue
+        if not score:
+            raise TrajectoryError(f"scores[{i}]", "is an empty list (one score per "
+                                  "assistant turn, the last one the outcome)")
+        if turns[i] is not None and list(turns[i]) != score:
+            raise TrajectoryError(f"turn_scores[{i}]", f"{turns[i]} differs from the "
+                                  f"per-turn list in scores[{i}] ({score})")
+        if spans[i] is None:
+            if not isinstance(masks[i], (list, np.ndarray)):
+                return None
+            runs = trained_runs(masks[i])
+            if len(runs) != len(score):
+                raise TrajectoryError(
+                    f"scores[{i}]", f"{len(score)} turn scores, but masks[{i}] has "
+                    f"{len(runs)} runs of trained tokens (one per assistant turn); send "
+                    "turn_spans to say where each turn is")
+            spans[i] = runs
+        outcomes[i], turns[i] = score[-1], score
+    return outcomes, turns, spans
 
 
 EMPTY_MEANS_NONE = ("advantages", "ref_logprobs", "messages", "inference_logprobs",

@@ -95,6 +95,9 @@ def test_odd_group_sizes_still_make_exact_batches():
     (b'{"tokens": [[1, 2, 3]], "masks": [[-100, 2, 3]], "scores": [1], "turn_scores": [[1]], '
      b'"turn_spans": [[[1, 3]]], "segment_starts": [[2]]}', 422, "segment_starts[0][0]"),
     (b"[1, 2]", 422, "body"),
+    # per-turn lists in scores: one per run of trained tokens when turn_spans is absent
+    (b'{"tokens": [[1, 2, 3, 4]], "masks": [[-100, 2, -100, 4]], "scores": [[0, 1, 1]]}',
+     422, "scores[0]"),
 ])
 def test_bad_input_is_refused_with_the_field_and_nothing_is_stored(body, status, field):
     async def scenario():
@@ -113,6 +116,53 @@ def test_bad_input_is_refused_with_the_field_and_nothing_is_stored(body, status,
             c = st["counters"]
             assert c.get("rejected_invalid", 0) + c.get("rejected_malformed", 0) == 2
     run(scenario())
+
+
+def test_per_turn_lists_in_scores_become_turn_scores_and_reach_mt_grpo(tmp_path):
+    """hermes-agent's TurnLevelRewardMixin sends one list of per-turn scores per sequence
+    in ``scores``: accepted, the last entry is the outcome, the turns are the runs of
+    trained tokens; Atropos trainers still get one float per sequence; MT-GRPO trains on
+    the turn scores where the outcomes are equal."""
+    from environments.jsonl_store import parse_group_line
+    from trainer.advantages import compute_group_advantages
+
+    tokens = [3, 4, 10, 11, 5, 6, 12, 13]
+    masks = [-100, -100, 10, 11, -100, -100, 12, 13]  # two assistant turns
+    body = {"tokens": [tokens, tokens], "masks": [masks, masks],
+            "scores": [[0.0, 1.0], [1.0, 1.0]]}  # equal outcomes, turn 1 differs
+
+    async def flow():
+        async with running_api() as (url, api), aiohttp.ClientSession() as s:
+            bad = {**body, "scores": [[0.0, 0.5, 1.0], [1.0, 1.0]]}
+            code, out = await call(s, "POST", url + "/scored_data", bad)
+            assert code == 422 and out["field"] == "scores[0]"
+            assert "3 turn scores" in out["error"] and "2 runs" in out["error"], out
+            for _ in range(2):
+                code, out = await call(s, "POST", url + "/scored_data", body)
+                assert code == 200, out
+            code, _ = await call(s, "POST", url + "/register",
+                                 {"batch_size": 2, "max_token_len": 64})
+            assert code == 200
+            code, atropos = await call(s, "GET", url + "/batch")  # an Atropos trainer
+            async with RolloutAPIClient(url) as client:
+                leased = await client.lease()
+            return atropos["batch"], leased
+
+    atropos, leased = run(flow())
+    [group] = atropos
+    assert group["scores"] == [1.0, 1.0]
+    assert group["turn_scores"] == [[0.0, 1.0], [1.0, 1.0]]
+    assert group["turn_spans"] == [[[2, 4], [6, 8]]] * 2
+    [trained] = leased.groups
+    assert [t.scores for t in trained.trajectories] == [[0.0, 1.0], [1.0, 1.0]]
+    mt_grpo = compute_group_advantages(trained.trajectories, "mt_grpo")
+    outcome_only = compute_group_advantages(trained.trajectories, "grpo")
+    assert all(abs(a).max() > 0.5 for a in mt_grpo.advantages)  # the first turn's signal
+    assert all(abs(a).max() == 0 for a in outcome_only.advantages)
+    # lachesis train --data reads the same shape from a JSONL line
+    line = parse_group_line(json.dumps(body).encode())
+    assert [t.turn_spans for t in line.trajectories] == [[[2, 4], [6, 8]]] * 2
+    assert [t.outcome for t in line.trajectories] == [1.0, 1.0]
 
 
 def test_body_size_limit_and_gzip_bombs():

@@ -255,8 +255,8 @@ def arithmetic_rollouts(vllm_server, tmp_path_factory):
     {"loss": "ppo_clip", "aggregation": "constant", "advantage_std_scaling": False,
      "mismatch": "mis_sequence", "mis_low": 0.9, "mis_high": 1.1},
     {"loss": "ppo_clip", "estimator": "gigpo", "gamma": 0.95, "overlong_buffer": 8,
-     "overlong_max_tokens": 24, "dynamic_sampling": True},
-], ids=["ppo_clip", "gspo", "gspo_token_turn", "cispo_mis", "dr_grpo_seq_mis", "gigpo_dapo"])
+     "overlong_max_tokens": 24},
+], ids=["ppo_clip", "gspo", "gspo_token_turn", "cispo_mis", "dr_grpo_seq_mis", "gigpo_overlong"])
 def test_each_objective_trains_on_the_quickstart_task_without_nan(options, arithmetic_rollouts,
                                                                  vllm_server, tmp_path):
     """A few real steps (2 mini-batches x 2 epochs each) on episodes vLLM sampled."""

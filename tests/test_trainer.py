@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 import requests
@@ -363,3 +365,66 @@ def test_lora_settings_are_checked_with_the_key_named(tiny_model_dir):
     adapted = apply_lora(model, LoraSettings(rank=4, target_modules=["q_proj"]))
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_a_trainer_fed_only_groups_it_must_set_aside_exits_non_zero_with_the_reasons(
+        tiny_model_dir, tmp_path):
+    """A batch with nothing to train on is not a step (no ``reward nan`` line, no synced
+    weights); ``max_untrainable_batches`` of them in a row stop the trainer with exit 1,
+    how many groups there were and why."""
+    from conftest import REPO, make_group
+
+    data = tmp_path / "groups.jsonl"
+    groups = [make_group(2, 8, seed=s) for s in range(2)]
+    groups[0].trajectories[1].flags.trainable = False  # e.g. a hosted model's rollout
+    groups[1].trajectories[0].tokens[5] = 10_000  # outside the tiny model's vocabulary
+    groups[1].trajectories[0].masks[5] = -100
+    data.write_text("".join(g.to_scored_data().model_dump_json() + "\n" for g in groups))
+    result = subprocess.run(
+        [sys.executable, "-m", "lachesis.cli", "train", "--model", str(tiny_model_dir),
+         "--data", str(data), "--batch-size", "4", "--steps", "2", "--run-dir",
+         str(tmp_path / "run"), "--tensorboard", "false", "--max-untrainable-batches", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("lachesis train: NothingToTrain: 3 batches in a row had nothing "
+                           "to train on (max_untrainable_batches), 6 groups: "), last
+    assert "3 set aside: marked not trainable" in last
+    assert "3 set aside: tokens[5] = 10000 is outside the model's vocabulary" in last
+    assert "step " not in result.stdout and "nan" not in result.stdout
+    assert not (tmp_path / "run/metrics.jsonl").read_text()  # no step was logged
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_sequences_without_behaviour_logprobs_train_against_the_weights_at_the_batch_start(
+        tiny_model_dir, mini_batches):
+    """A trajectory without ``inference_logprobs`` trains exactly as if the env had sent
+    the trainer's own logprobs at the batch's start (classic PPO/GRPO pi_old), with no
+    mismatch correction."""
+    from conftest import make_group
+    from trainer.batch import pack
+    from trainer.config import TrainConfig
+    from trainer.train import trainer_logprobs, train_steps
+
+    config = TrainConfig(model=str(tiny_model_dir), batch_size=4, mini_batches=mini_batches,
+                         lr=1e-2, tis_cap=2.0, max_tokens_per_micro_batch=24)
+    group = make_group(4, 12, seed=3)
+    advantages = [[float(i) - 1.5] * 12 for i in range(4)]
+    for t in group.trajectories:
+        t.inference_logprobs = None
+    models, results = [], []
+    for given in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        batch = pack(group.trajectories, advantages)
+        assert batch.behaviour.tolist() == [False] * 4
+        if given:  # the independent version: pi_old handed in as if vLLM had sent it
+            batch.old_logprobs = trainer_logprobs(model.eval(), batch, config)
+            batch.behaviour = None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        results.append(train_steps(model, optimizer, batch, config))
+        models.append(model)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert results[0]["mismatch_kl"] == 0.0 and results[0]["tis_weight_mean"] == 1.0
+    assert results[0]["grad_norm"] > 0

@@ -2,8 +2,10 @@
 
 Conventions (shared with :func:`trainer.losses.token_logprobs` and the data contract):
 position ``t`` of every ``[B, T]`` tensor describes ``tokens[t]``: ``mask[t]`` says
-whether it is trained, ``old_logprobs[t]`` is vLLM's logprob of sampling it, and
-``advantages[t]`` its advantage. Position 0 is never trained (nothing predicts it).
+whether it is trained, ``old_logprobs[t]`` is vLLM's logprob of sampling it (or, for a
+row whose trajectory came without ``inference_logprobs``, the trainer's own logprob at the
+batch's start, filled in by the training loop: ``behaviour`` says which rows have vLLM's),
+and ``advantages[t]`` its advantage. Position 0 is never trained (nothing predicts it).
 
 A row of the batch is a whole trajectory (``samples: sequence``) or, with
 ``samples: turn_prefix``, one prefix of it per assistant turn (:func:`turn_prefix_samples`).
@@ -34,20 +36,18 @@ class BatchError(ValueError):
 
 
 def check_trajectory(t: ScoredTrajectory, where: str, *, vocab_size: int | None = None,
-                     need_logprobs: bool = True) -> None:
+                     need_trainable: bool = True) -> None:
     """Raise :class:`BatchError` if ``t`` cannot be trained on by the RL loss: the data
     contract (:meth:`ScoredTrajectory.check`, the rules the rollout API applies too), plus
-    what only the trainer knows: its model's vocabulary, and that the importance ratio
-    needs the behaviour logprobs of policy-sampled tokens."""
+    what only the trainer knows: its model's vocabulary, and that the tokens were sampled
+    by the policy (``flags.trainable``). A trajectory without ``inference_logprobs`` is
+    fine: the trainer takes its own logprobs at the batch's start as pi_old."""
     try:
         t.check(None)
     except TrajectoryError as error:
         raise BatchError(f"{where}: {error}") from None
-    if need_logprobs:
-        if not t.flags.trainable:
-            raise BatchError(f"{where}: marked not trainable (not sampled by the policy)")
-        if t.inference_logprobs is None:
-            raise BatchError(f"{where}: no inference_logprobs (needed for the importance ratio)")
+    if need_trainable and not t.flags.trainable:
+        raise BatchError(f"{where}: marked not trainable (not sampled by the policy)")
     if vocab_size is not None:
         tokens = np.asarray(t.tokens)
         bad = np.flatnonzero(tokens >= vocab_size)
@@ -62,18 +62,18 @@ def check_trajectory(t: ScoredTrajectory, where: str, *, vocab_size: int | None 
 
 
 def check_group(group: ScoredGroup, where: str, *, vocab_size: int | None = None,
-                need_logprobs: bool = True) -> None:
+                need_trainable: bool = True) -> None:
     """:func:`check_trajectory` on every member; the error names the sequence."""
     for i, t in enumerate(group.trajectories):
         check_trajectory(t, f"{where} sequence {i}", vocab_size=vocab_size,
-                         need_logprobs=need_logprobs)
+                         need_trainable=need_trainable)
 
 
 def check_groups(groups: list[ScoredGroup], *, vocab_size: int | None = None,
-                 need_logprobs: bool = True) -> None:
+                 need_trainable: bool = True) -> None:
     for g, group in enumerate(groups):
         check_group(group, f"group {g} ({group.group_id}, item {group.item_id})",
-                    vocab_size=vocab_size, need_logprobs=need_logprobs)
+                    vocab_size=vocab_size, need_trainable=need_trainable)
 
 
 @dataclass
@@ -213,17 +213,30 @@ class TrainBatch:
     proximal_logprobs: torch.Tensor | None = None
     """[B, T] float32, the trainer's own logprobs at the start of the batch (pi_old of
     several optimizer steps per batch); None: each step's own logprobs, detached."""
+    behaviour: torch.Tensor | None = None
+    """[B] bool: whether the row has the behaviour policy's (vLLM's) logprobs in
+    ``old_logprobs``. A row without them (an env that sent no ``inference_logprobs``)
+    takes the trainer's own logprobs at the batch's start as pi_old, and gets no
+    train/inference mismatch correction. None: every row has them."""
 
     @property
     def n_tokens(self) -> int:
         return int(self.mask.sum())
 
+    @property
+    def without_behaviour(self) -> torch.Tensor | None:
+        """``[B, T]`` bool: trained tokens of rows without behaviour logprobs; None when
+        every row has them."""
+        if self.behaviour is None or bool(self.behaviour.all()):
+            return None
+        return self.mask & ~self.behaviour.unsqueeze(-1)
+
     def to(self, device: torch.device | str) -> TrainBatch:
+        move = lambda x: None if x is None else x.to(device)  # noqa: E731
         return TrainBatch(self.tokens.to(device), self.mask.to(device),
                           self.old_logprobs.to(device), self.advantages.to(device),
-                          self.lengths.to(device),
-                          None if self.proximal_logprobs is None
-                          else self.proximal_logprobs.to(device))
+                          self.lengths.to(device), move(self.proximal_logprobs),
+                          move(self.behaviour))
 
     def _rows(self, index: torch.Tensor | slice) -> TrainBatch:
         lengths = self.lengths[index]
@@ -231,7 +244,8 @@ class TrainBatch:
         proximal = self.proximal_logprobs
         return TrainBatch(self.tokens[index, :width], self.mask[index, :width],
                           self.old_logprobs[index, :width], self.advantages[index, :width],
-                          lengths, None if proximal is None else proximal[index, :width])
+                          lengths, None if proximal is None else proximal[index, :width],
+                          None if self.behaviour is None else self.behaviour[index])
 
     def select(self, rows: list[int]) -> TrainBatch:
         """The sequences ``rows`` (e.g. one data-parallel rank's share)."""
@@ -281,6 +295,7 @@ def pack(trajectories: Sequence[ScoredTrajectory | Sample], advantages: list, *,
     old = torch.zeros((b, width), dtype=torch.float32)
     adv = torch.zeros((b, width), dtype=torch.float32)
     lengths = torch.zeros(b, dtype=torch.long)
+    behaviour = torch.ones(b, dtype=torch.bool)
     for i, (t, a) in enumerate(zip(trajectories, advantages)):
         n = len(t.tokens)
         lengths[i] = n
@@ -288,7 +303,10 @@ def pack(trajectories: Sequence[ScoredTrajectory | Sample], advantages: list, *,
         mask[i, :n] = torch.tensor([m != MASKED for m in t.masks])
         if with_logprobs and t.inference_logprobs is not None:
             old[i, :n] = torch.tensor(t.inference_logprobs, dtype=torch.float32)
+        else:
+            behaviour[i] = False
         adv[i, :n] = torch.as_tensor(a, dtype=torch.float32)
     old = torch.where(mask, old, torch.zeros_like(old))
     adv = torch.where(mask, adv, torch.zeros_like(adv))
-    return TrainBatch(tokens, mask, old, adv, lengths)
+    return TrainBatch(tokens, mask, old, adv, lengths,
+                      behaviour=behaviour if with_logprobs else None)

@@ -47,6 +47,10 @@ class TrainConfig(BaseModel):
     max_token_length: int = Field(default=2048, ge=8)
     steps: int = Field(default=100, ge=1)
     lease_poll_s: float = Field(default=0.5, gt=0)
+    max_untrainable_batches: int = Field(default=5, ge=1)
+    """A batch with no group to train on (all set aside, or all dropped) is not a step:
+    the trainer acknowledges it and takes the next. After this many such batches in a
+    row it stops with a non-zero exit, saying how many groups were set aside and why."""
     # advantages
     estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg", "gigpo"] = "mt_grpo"
     """Advantage estimator (``trainer.advantages``; docs/training.md). ``gigpo`` needs no

@@ -329,6 +329,7 @@ def policy_loss(
     mis_high: float = 5.0,
     gspo_unit: Literal["sequence", "turn"] = "sequence",
     constant: float | None = None,
+    without_behaviour: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy-gradient loss: an objective (``loss``), a train/inference mismatch
     correction (``mismatch``), a k3 KL penalty and a normaliser (``aggregation``).
@@ -355,6 +356,11 @@ def policy_loss(
     ``gspo_unit``: sequence, or assistant turn), ``cispo``. The last term is the k3
     estimator of ``KL(pi || pi_ref)`` (always >= 0), added when ``ref_logprobs`` are given
     and ``kl_coef != 0``.
+
+    ``without_behaviour`` (bool, like ``mask``): tokens whose ``old_logprobs`` are not the
+    behaviour policy's but the trainer's own at the batch's start (the env sent no
+    ``inference_logprobs``): there is no train/inference mismatch to correct, so ``w = 1``
+    on them and they add 0 to the mismatch metrics.
 
     Aggregation: ``"token_mean"`` = sum of ``l_t`` over all trained tokens of the batch /
     their number; ``"sequence_mean"`` = mean over each sequence's trained tokens, then
@@ -389,8 +395,12 @@ def policy_loss(
         proximal = _masked(trainer_old_logprobs, mask, current, "trainer_old_logprobs")
         log_ratio = current - proximal
         mismatch_log_ratio = proximal - behaviour
+        if without_behaviour is not None:
+            mismatch_log_ratio = torch.where(without_behaviour, zero, mismatch_log_ratio)
         weight = correction(mismatch_log_ratio, mask, tis_cap=tis_cap, mis_low=mis_low,
                             mis_high=mis_high).detach()
+        if without_behaviour is not None:
+            weight = torch.where(without_behaviour, torch.ones_like(weight), weight)
     else:
         log_ratio = current - behaviour
     per_token, ratio, is_clipped = objective(

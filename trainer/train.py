@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from typing import Any
 
@@ -74,6 +75,10 @@ class AlignmentError(RuntimeError):
     """The trainer's logprobs of the sampled tokens disagree with vLLM's."""
 
 
+class NothingToTrain(RuntimeError):
+    """``max_untrainable_batches`` batches in a row had no group to train on."""
+
+
 # --------------------------------------------------------------------------------------
 # building blocks
 # --------------------------------------------------------------------------------------
@@ -84,14 +89,14 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
     computed per group on whole trajectories; a trajectory with ``segment_starts`` then
     gives one row per segment (per turn within each segment with ``turn_prefix``)."""
     trajectories, advantages = [], []
-    dropped = zero_variance = 0
+    dropped = zero_variance = without_behaviour = 0
     rewards = []
     env_metrics: dict[str, list[float]] = {}
     trained_groups = []
     for g, group in enumerate(batch.groups):
         where = f"group {g} ({group.group_id}, env {group.env}, item {group.item_id})"
         try:  # one bad group is set aside; the others train
-            check_group(group, where, vocab_size=vocab_size, need_logprobs=True)
+            check_group(group, where, vocab_size=vocab_size)
             result = compute_group_advantages(
                 shape_rewards(group.trajectories, config), config.estimator,
                 turn_advantage_coef=config.turn_advantage_coef, gamma=config.gamma,
@@ -115,6 +120,7 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
             batch.rejected.append(rejected)
             continue
         trained_groups.append(group)
+        without_behaviour += sum(t.inference_logprobs is None for t in group.trajectories)
         rewards += [t.outcome for t in group.trajectories]
         for t in group.trajectories:
             for name, value in (t.metadata.get("metrics") or {}).items():
@@ -128,6 +134,7 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
     stats = {**({"reward_mean": float(np.mean(rewards))} if rewards else {}),
              "groups": len(trained_groups), "groups_set_aside": len(batch.rejected),
              "groups_zero_variance": zero_variance, "groups_dropped": dropped,
+             "sequences_without_behaviour_logprobs": without_behaviour,
              "rows": len(trajectories),
              "row_tokens": sum(len(t.tokens) for t in trajectories), **batch.stats,
              **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
@@ -170,11 +177,17 @@ def trainer_logprobs(model: torch.nn.Module, batch: TrainBatch,
     return out
 
 
-def alignment_check(model: torch.nn.Module, batch: TrainBatch, config: TrainConfig) -> float:
-    """Mean |trainer logprob - vLLM logprob| over the trained tokens of ``batch``, computed
-    the way training computes them (micro-batches, packing, chunking)."""
+def alignment_check(model: torch.nn.Module, batch: TrainBatch,
+                    config: TrainConfig) -> tuple[float, int]:
+    """Mean |trainer logprob - vLLM logprob| over the trained tokens of ``batch``'s rows
+    that have vLLM's logprobs, computed the way training computes them (micro-batches,
+    packing, chunking), and the number of tokens compared (0: no row has them)."""
+    if batch.behaviour is not None:
+        batch = batch.select(batch.behaviour.nonzero().flatten().tolist())
+    if not len(batch.lengths):
+        return 0.0, 0
     diff = (trainer_logprobs(model, batch, config) - batch.old_logprobs).abs()[batch.mask]
-    return float(diff.sum()) / max(1, int(batch.mask.sum()))
+    return float(diff.sum()) / max(1, int(batch.mask.sum())), int(batch.mask.sum())
 
 
 def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
@@ -223,8 +236,11 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
                     ref = batch_logprobs(ref_model, mb, config)
             proximal = logprobs.detach() if mb.proximal_logprobs is None \
                 else mb.proximal_logprobs
+            without = mb.without_behaviour
+            old = mb.old_logprobs if without is None \
+                else torch.where(without, proximal, mb.old_logprobs)  # pi_old: the trainer's
             loss, metrics = policy_loss(
-                logprobs, mb.old_logprobs, mb.advantages, mb.mask,
+                logprobs, old, mb.advantages, mb.mask, without_behaviour=without,
                 clip_low=config.clip_low, clip_high=config.clip_high, tis_cap=config.tis_cap,
                 trainer_old_logprobs=proximal, aggregation=config.aggregation,
                 ref_logprobs=ref, kl_coef=config.kl_coef, loss=config.loss,
@@ -292,6 +308,52 @@ def train_steps(model, optimizer, batch: TrainBatch, config: TrainConfig,
     totals["clip_fraction_last"] = steps[-1].get("clip_fraction", 0.0)
     totals["optimizer_steps"] = float(len(steps))
     return totals
+
+
+async def trainable_batch(source, config: TrainConfig, vocab_size: int, pad_id: int,
+                          leader: bool) -> tuple[Batch, TrainBatch | None, dict[str, float]]:
+    """The next batch with something to train on, checked and with advantages. A batch
+    whose groups were all set aside (or all dropped) is acknowledged (its bad groups as
+    dead letters) and skipped; after ``max_untrainable_batches`` of them in a row,
+    :class:`NothingToTrain` names how many groups there were and why."""
+    reasons: dict[str, int] = {}
+    groups = 0
+    for _ in range(config.max_untrainable_batches):
+        batch = await source.next()
+        if batch.tensors is not None:
+            return batch, batch.tensors, {}
+        tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
+        if tensors is not None:
+            return batch, tensors, stats
+        loaded = {g.group_id for g in batch.groups}
+        equal = int(stats.get("dynamic_sampling_groups_equal", 0))
+        n = len(loaded) + sum(r.group_id not in loaded for r in batch.rejected) + equal
+        groups += n
+        here: dict[str, int] = {}
+        for rejected in batch.rejected:
+            reason = _PLACE.sub("", rejected.reason)
+            here[reason] = here.get(reason, 0) + 1
+        if stats.get("groups_dropped"):
+            here["every reward equal, dropped (zero_variance: drop)"] = \
+                int(stats["groups_dropped"])
+        if equal:
+            here["every reward equal, left out (dynamic_sampling)"] = equal
+        for reason, count in here.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        log.warning("a batch of %d groups had nothing to train on (%s); it is not a step",
+                    n, "; ".join(f"{c} x {r}" for r, c in here.items()) or "no groups")
+        if leader:
+            await source.finish(batch)
+    raise NothingToTrain(
+        f"{config.max_untrainable_batches} batches in a row had nothing to train on "
+        f"(max_untrainable_batches), {groups} groups: "
+        + "; ".join(f"{c} set aside: {r}" for r, c in
+                    sorted(reasons.items(), key=lambda kv: -kv[1])))
+
+
+_PLACE = re.compile(r"^group \d+ \([^)]*\)( sequence \d+)?: ")
+"""The place prefix of a set-aside group's reason (``group 3 (id, env e, item i)
+sequence 1: ``), dropped to count the reasons."""
 
 
 # --------------------------------------------------------------------------------------
@@ -362,20 +424,27 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             await servers.start()
         for step in range(start_step, config.steps):
             started = time.monotonic()
-            # 1-2. a batch, checked, with advantages (bad groups set aside)
-            batch = await source.next()
-            if batch.tensors is not None:
-                tensors, stats = batch.tensors, {}
-            else:
-                tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
+            # 1-2. a batch, checked, with advantages (bad groups set aside); a batch with
+            # nothing to train on is acknowledged and is not a step
+            batch, tensors, stats = await trainable_batch(source, config, vocab_size, pad_id,
+                                                          leader)
             # 3. step 0: the trainer's logprobs must be vLLM's
             if step == start_step == 0 and config.check_alignment and rl \
                     and tensors is not None:
-                diff = alignment_check(model.eval(), tensors, config)
-                summary["alignment_mean_abs_diff"] = diff
-                log.info("alignment check: mean |trainer - vLLM| logprob = %.2e over %d tokens",
-                         diff, tensors.n_tokens)
-                if diff >= config.alignment_tolerance:
+                diff, compared = alignment_check(model.eval(), tensors, config)
+                skipped = stats.get("sequences_without_behaviour_logprobs", 0)
+                if skipped:
+                    log.info("alignment check: skipping %d sequences without "
+                             "inference_logprobs (nothing of vLLM's to compare with)", skipped)
+                    summary["alignment_skipped_sequences"] = skipped
+                if compared:
+                    summary["alignment_mean_abs_diff"] = diff
+                    log.info("alignment check: mean |trainer - vLLM| logprob = %.2e over %d "
+                             "tokens", diff, compared)
+                else:
+                    log.warning("alignment check skipped: no sequence of the first batch has "
+                                "inference_logprobs")
+                if compared and diff >= config.alignment_tolerance:
                     raise AlignmentError(
                         f"trainer and vLLM logprobs differ by {diff:.3g} on average "
                         f"(tolerance {config.alignment_tolerance}): tokens, masks or the "

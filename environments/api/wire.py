@@ -18,7 +18,8 @@ The accepted body is stored as received and served to trainers byte for byte, ex
 that the Atropos keys it leaves out are added as ``null`` (Atropos trainers index every
 key, e.g. ``item["overrides"]``), a ``group_id`` is added when it has none, and the
 per-sequence lists that atroposlib sends empty to mean "none" (``advantages: []``...)
-are stored as ``null``.
+are stored as ``null``, and per-turn lists in ``scores`` are stored as ``turn_scores``
+(with ``turn_spans`` from the masks when absent) and their last entries as ``scores``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from environments.trajectory import (
     check_token_values,
     field_path,
     new_group_id,
+    per_turn_scores,
 )
 
 _Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]  # = trajectory.Id
@@ -58,7 +60,8 @@ class _Group(msgspec.Struct):
 
     tokens: list[msgspec.Raw]
     masks: list[msgspec.Raw]
-    scores: list[float]
+    scores: list[float | list[float]]
+    """One float per sequence, or a list of per-turn scores (moved to ``turn_scores``)."""
     advantages: list[msgspec.Raw] | None | UnsetType = UNSET
     ref_logprobs: list[msgspec.Raw] | None | UnsetType = UNSET
     messages: list[list[dict[str, Any]]] | None | UnsetType = UNSET
@@ -253,6 +256,9 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
     try:
         tokens = [_int_array(raw, f"tokens[{i}]") for i, raw in enumerate(group.tokens)]
         masks = [_int_array(raw, f"masks[{i}]") for i, raw in enumerate(group.masks)]
+        moved = per_turn_scores(group.scores, group.turn_scores, group.turn_spans, masks)
+        if moved is not None:  # per-turn lists in scores (a rare, slow path: re-encoded)
+            group.scores, group.turn_scores, group.turn_spans = moved
         check_parallel_lists(
             n_tokens=[len(t) for t in tokens],
             n_masks=[len(m) for m in masks],
@@ -276,8 +282,13 @@ def decode_group(body: bytes | msgspec.Raw, where: str = "") -> AcceptedGroup:
         raise WireError(where + error.field, error.message) from None
 
     data = bytes(body).strip()
-    if empty:  # stored as null, so the trainers' models read the group (a rare, slow path)
-        data = orjson.dumps({**orjson.loads(data), **dict.fromkeys(empty)})
+    if empty or moved is not None:  # stored as null / as the contract's fields, so the
+        # trainers' models read the group (a rare, slow path)
+        rewrite: dict[str, Any] = dict.fromkeys(empty)
+        if moved is not None:  # Atropos trainers get one float per sequence in scores
+            rewrite.update(scores=group.scores, turn_scores=group.turn_scores,
+                           turn_spans=group.turn_spans)
+        data = orjson.dumps({**orjson.loads(data), **rewrite})
     head = b"".join(b'"' + name.encode() + b'":null,' for name in ATROPOS_OPTIONAL_KEYS
                     if name not in present)
     group_id = group.group_id
