@@ -126,12 +126,17 @@ def pending(results: Path, arms: list[str], seeds: list[int]) -> list[tuple[str,
             and failures(manifest, arm, seed) < MAX_ATTEMPTS]
 
 
-def git_state() -> dict[str, Any]:
+def git_state(ignore: Path | None = None) -> dict[str, Any]:
+    """The commit and whether the tree differs from it (``ignore``: a folder of the
+    study's own results, written there as it goes, that does not count)."""
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    inside = ignore is not None and ignore.resolve().is_relative_to(REPO)
+    exclude = [f":(exclude){ignore.resolve().relative_to(REPO)}"] if inside else []
+    return {"commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--", ".", *exclude))}
 
 
 @contextlib.contextmanager
@@ -157,20 +162,34 @@ def run_cell(args: argparse.Namespace, model: str, arm: str, seed: int, *,
     entry = {"arm": arm, "seed": seed, **git_state(), "warm_start_sha256": weights_hash(model),
              "config": config.model_dump(mode="json"),
              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def run() -> dict[str, Any]:
+        with held(args.lock):
+            return run_quietly(config)
+
+    return attempt(args.results, entry, run,
+                   lambda summary: keep(config.run_dir, args.results, summary))
+
+
+def attempt(results: Path, entry: dict[str, Any], run: Any, kept: Any) -> str:
+    """One attempt: ``run()``, then ``kept(its result)`` (copies it into ``results``),
+    then one manifest line with the outcome; returns the outcome. A ``RunFailed`` is
+    recorded as failed; anything else that ends it (Ctrl-C, SIGTERM made an exception)
+    is recorded as stopped and raised again: no result is kept, and the cell starts
+    again from scratch next time. A run killed outright leaves no line at all."""
     started = time.monotonic()
     try:
-        with held(args.lock):
-            summary = run_quietly(config)
+        result = run()
     except RunFailed as error:
-        record(args.results, {**entry, "outcome": "failed", "error": str(error),
-                              "seconds": time.monotonic() - started})
+        record(results, {**entry, "outcome": "failed", "error": str(error),
+                         "seconds": time.monotonic() - started})
         return "failed"
-    except BaseException:  # stopped (Ctrl-C, kill): started again from scratch next time
-        record(args.results, {**entry, "outcome": "stopped",
-                              "seconds": time.monotonic() - started})
+    except BaseException:
+        record(results, {**entry, "outcome": "stopped", "seconds": time.monotonic() - started})
         raise
-    keep(config.run_dir, args.results, summary)
-    record(args.results, {**entry, "outcome": "finished", "seconds": summary["seconds"]})
+    kept(result)
+    seconds = result.get("seconds", time.monotonic() - started)
+    record(results, {**entry, "outcome": "finished", "seconds": seconds})
     return "finished"
 
 
@@ -280,6 +299,13 @@ def step_bands(curves: list[list[float]]) -> tuple[list[float], list[float], lis
 
 
 def plot(args: argparse.Namespace, arms: list[str], out: Path) -> None:
+    plot_curves({ARMS[arm][0]: [args.results / f"{arm}-seed{s}" for s in args.seeds
+                                if is_finished(args.results, arm, s)] for arm in arms}, out)
+
+
+def plot_curves(runs: dict[str, list[Path]], out: Path) -> None:
+    """Per label (an arm), batch tool success and answer accuracy per step over its runs'
+    ``trainer/metrics.jsonl``: the mean and its 95 % band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,12 +314,13 @@ def plot(args: argparse.Namespace, arms: list[str], out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
     for ax, key, label in zip(axes, ["env/tool_success", "env/correct"],
                               ["tool success", "answer accuracy"]):
-        for arm in arms:
-            curves = [[m.get(key, 0.0) for m in ca.read_metrics(args.results / f"{arm}-seed{s}")]
-                      for s in args.seeds if is_finished(args.results, arm, s)]
+        for name, dirs in runs.items():
+            if not dirs:
+                continue
+            curves = [[m.get(key, 0.0) for m in ca.read_metrics(d)] for d in dirs]
             mean, low, high = step_bands(curves)
             steps = range(1, len(mean) + 1)
-            line, = ax.plot(steps, mean, label=f"{ARMS[arm][0]} ({len(curves)} runs)")
+            line, = ax.plot(steps, mean, label=f"{name} ({len(curves)} runs)")
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
         ax.set_xlabel("trainer step")
         ax.set_ylabel(f"batch {label} (mean, 95 % band)")

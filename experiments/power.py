@@ -1,7 +1,10 @@
 """Power of the confirmatory study's primary tests, from the first study's per-seed spread
-(docs/results.md, "Credit assignment: the pre-registered experiment", per-seed table).
+(docs/results.md, "Credit assignment: the pre-registered experiment", per-seed table); with
+``--stress``, power of the stress study's tests (docs/study-stress.md), from the
+confirmatory study's 128 runs.
 
     python experiments/power.py
+    python experiments/power.py --stress
 
 Collapse (final tool success < 0.5): the exact power of Fisher's two-sided test, summing
 over every outcome of two binomials. Answer accuracy: the power of the Mann-Whitney test
@@ -11,13 +14,16 @@ by resampling each arm's 5 observed per-seed accuracies (a crude model of the sp
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
+import statistics
 import sys
 from math import comb
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats import fisher_exact, mann_whitney  # noqa: E402
+from stats import fisher_exact, mann_whitney, stratified_permutation, tost  # noqa: E402
 
 # first study, final tool success and answer accuracy per seed 0..4 (docs/results.md)
 TOOL = {"grpo": [0.88, 0.00, 0.88, 0.00, 0.71], "grpo_merged": [0.86, 0.59, 0.84, 0.88, 0.88],
@@ -76,5 +82,94 @@ def main() -> None:
                 for n in SEEDS) + " |")
 
 
+# --- the stress study ----------------------------------------------------------------------
+
+CONFIRMATORY = Path(__file__).resolve().parent / "results" / "confirmatory"
+STRESS_DESIGN = (4, 8)  # warm starts, runs per arm and warm start
+STRESS_ALPHAS = [0.05, 0.05 / 3]
+
+
+def confirmatory_values(results: Path = CONFIRMATORY) -> dict[str, dict[str, list[float]]]:
+    """Final answer accuracy and tool success of every kept confirmatory run, per arm."""
+    values: dict[str, dict[str, list[float]]] = {}
+    for summary in sorted(results.glob("*-seed*/summary.json")):
+        arm = summary.parent.name.rsplit("-seed", 1)[0]
+        after = json.loads(summary.read_text())["after"]["arithmetic_tool"]
+        for key in ("correct", "tool_success"):
+            values.setdefault(arm, {}).setdefault(key, []).append(float(after[key]))
+    return values
+
+
+def stratified_power(x: list[float], y: list[float], alphas: list[float], *, shift: float = 0.0,
+                     sims: int = 300, draws: int = 400, seed: int = 0) -> list[float]:
+    """P(stratified permutation p <= alpha), each alpha, when each of the design's warm
+    starts gets runs resampled from ``x`` and from ``y`` (``y`` moved up by ``shift``)."""
+    rng = random.Random(seed)
+    strata, n = STRESS_DESIGN
+    ps = []
+    for i in range(sims):
+        xs = [rng.choices(x, k=n) for _ in range(strata)]
+        ys = [[v + shift for v in rng.choices(y, k=n)] for _ in range(strata)]
+        ps.append(stratified_permutation(xs, ys, draws=draws, seed=seed * sims + i)[1])
+    return [sum(p <= alpha for p in ps) / sims for alpha in alphas]
+
+
+def tost_power(pool: list[float], delta: float, margin: float, alphas: list[float], *,
+               sims: int = 2000, seed: int = 0) -> list[float]:
+    """P(TOST declares equivalence) when both arms' runs are resampled from ``pool``, one
+    moved up by ``delta`` (the true difference)."""
+    rng = random.Random(seed)
+    strata, n = STRESS_DESIGN
+    ps = [tost([rng.choices(pool, k=n) for _ in range(strata)],
+               [[v + delta for v in rng.choices(pool, k=n)] for _ in range(strata)],
+               margin)["p"] for _ in range(sims)]
+    return [sum(p <= alpha for p in ps) / sims for alpha in alphas]
+
+
+def stress() -> None:
+    values = confirmatory_values()
+    acc = {arm: v["correct"] for arm, v in values.items()}
+    strata, n = STRESS_DESIGN
+    print(f"stress study design: {strata} warm starts x {n} runs per arm; resampling the "
+          f"confirmatory study's runs ({', '.join(f'{a} {len(v)}' for a, v in acc.items())})")
+    print("confirmatory accuracy, mean / sd: " + ", ".join(
+        f"{a} {statistics.mean(v):.3f} / {statistics.stdev(v):.3f}" for a, v in acc.items()))
+    print("\nStratified permutation test, final accuracy vs GRPO-OR (300 simulated studies, "
+          "400 relabellings each); GRPO-OR's runs moved up so that the gap is a fraction "
+          "of the confirmatory one")
+    print("| arm | gap in the confirmatory study | fraction of the gap | true gap | "
+          + " | ".join(f"power at {a:.4f}" for a in STRESS_ALPHAS) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(STRESS_ALPHAS))
+    for arm in ["mt_grpo", "gigpo", "turn_rtg"]:
+        gap = statistics.mean(acc[arm]) - statistics.mean(acc["grpo"])
+        for fraction in (1.0, 0.5, 0.25):
+            power = stratified_power(acc[arm], acc["grpo"], STRESS_ALPHAS,
+                                     shift=(1 - fraction) * gap)
+            print(f"| {arm} | {gap:.3f} | {fraction:.2f} | {fraction * gap:.3f} | "
+                  + " | ".join(f"{p:.2f}" for p in power) + " |")
+    tool = {arm: [float(t < COLLAPSE_BELOW) for t in v["tool_success"]]
+            for arm, v in values.items()}
+    power = stratified_power(tool["grpo"], tool["mt_grpo"], STRESS_ALPHAS)
+    print(f"\nCollapse (secondary), the same test on collapse indicators, GRPO-OR "
+          f"({sum(tool['grpo']):.0f}/{len(tool['grpo'])}) vs MT-GRPO "
+          f"({sum(tool['mt_grpo']):.0f}/{len(tool['mt_grpo'])}) as observed: power "
+          + ", ".join(f"{p:.2f} at {a:.4f}" for p, a in zip(power, STRESS_ALPHAS)))
+    pool = [v for arm in ["mt_grpo", "gigpo", "turn_rtg"] for v in acc[arm]]
+    print(f"\nTOST between two non-baseline arms, both resampled from the pooled "
+          f"MT-GRPO, GiGPO and turn-RTG runs ({len(pool)}, sd {statistics.stdev(pool):.3f}), "
+          "2000 simulated studies: P(equivalence shown)")
+    print("| margin | true difference | " + " | ".join(f"alpha {a:.4f}" for a in STRESS_ALPHAS)
+          + " |")
+    print("|---:|---:|" + "---:|" * len(STRESS_ALPHAS))
+    for margin in (0.05, 0.08, 0.10):
+        for delta in (0.0, 0.02, 0.04):
+            power = tost_power(pool, delta, margin, STRESS_ALPHAS)
+            print(f"| {margin:.2f} | {delta:.2f} | " + " | ".join(f"{p:.2f}" for p in power)
+                  + " |")
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stress", action="store_true",
+                        help="the stress study's power, from the confirmatory study's runs")
+    stress() if parser.parse_args().stress else main()

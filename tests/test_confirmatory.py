@@ -119,6 +119,22 @@ def test_pending_skips_finished_cells_and_cells_that_failed_three_times(tmp_path
     assert list(cf.ARMS) == ["grpo", "mt_grpo", "gigpo", "turn_rtg"] and cf.SEEDS == list(range(32))
 
 
+def fake_runs(outcomes):
+    """A stand-in for ``run_quietly``: each call takes the next outcome, raises it if it
+    is an exception, else writes the run's metrics and returns it as the summary."""
+    outcomes = iter(outcomes)
+
+    def run(config):
+        outcome = next(outcomes)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        (config.run_dir / "trainer").mkdir(parents=True, exist_ok=True)
+        (config.run_dir / "trainer" / "metrics.jsonl").write_text('{"step": 1}\n')
+        return outcome
+
+    return run
+
+
 def test_run_cell_records_every_attempt_and_finishes_only_on_success(tmp_path, monkeypatch):
     """The run itself (vLLM, trainer, env server: minutes) is replaced by its outcomes:
     a summary, a RunFailed, a stop; the smoke run in the report runs it for real."""
@@ -127,17 +143,8 @@ def test_run_cell_records_every_attempt_and_finishes_only_on_success(tmp_path, m
     args = argparse.Namespace(config=REPO / "configs" / "credit_assignment.yaml",
                               runs_dir=tmp_path / "runs", results=results, steps=None,
                               lock=tmp_path / "lock")
-    outcomes = iter([cf.RunFailed("trainer died"), KeyboardInterrupt(), {"seconds": 1.5}])
-
-    def fake_run(config):
-        outcome = next(outcomes)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        (config.run_dir / "trainer").mkdir(parents=True, exist_ok=True)
-        (config.run_dir / "trainer" / "metrics.jsonl").write_text('{"step": 1}\n')
-        return outcome
-
-    monkeypatch.setattr(cf, "run_quietly", fake_run)
+    monkeypatch.setattr(cf, "run_quietly", fake_runs(
+        [cf.RunFailed("trainer died"), KeyboardInterrupt(), {"seconds": 1.5}]))
     assert cf.run_cell(args, "model", "grpo", 5, evaluate_before=False) == "failed"
     with pytest.raises(KeyboardInterrupt):
         cf.run_cell(args, "model", "grpo", 5, evaluate_before=False)
