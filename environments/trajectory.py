@@ -357,9 +357,13 @@ class ScoredTrajectory(BaseModel):
 def equal_scores(trajectories: Sequence[ScoredTrajectory]) -> bool:
     """Whether a group has no score signal: two or more trajectories, all scored the same
     turn by turn (the same number of turn scores, each equal; a float score is one), up to
-    rounding (1e-12 relative, as the trainer's z-score). Such a group gives every advantage
-    estimator zeros. Equal *outcomes* are not enough: turn scores that differ still give a
-    turn-level signal (MT-GRPO), so such a group is not counted.
+    rounding (1e-12 relative, as the trainer's z-score). Such a group gives the outcome
+    estimators (GRPO, merged GRPO, MT-GRPO) zeros; it is *not* a statement about every
+    estimator: ``turn_rtg`` and GiGPO with ``gamma`` < 1 discount by the turns left, so
+    equal scores over trajectories of different lengths still give them non-zero
+    advantages (the trainer's dynamic sampling asks the configured estimator instead:
+    ``trainer.shaping.has_signal``). Equal *outcomes* are not enough either: turn scores
+    that differ give a turn-level signal (MT-GRPO), so such a group is not counted.
 
     The one definition of an equal-score group: ``env process`` / ``env serve`` count (and,
     without ``keep_equal_score_groups``, drop) these groups; ``inspect --stats`` and the

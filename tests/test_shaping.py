@@ -107,3 +107,110 @@ def test_dynamic_sampling_stops_at_the_cap(tmp_path):
     # two batches of two groups: three equal groups set aside, one with signal: not full
     assert len(batch.groups) == 1 and batch.stats["dynamic_sampling_full"] == 0.0
     assert batch.stats["dynamic_sampling_groups_equal"] == 3.0
+
+
+# --- "no signal" is what the configured estimator says (independent formulas below) ---
+def reference_rtg_centred(rows, gamma):
+    """turn_rtg's centred returns (before the pooled-std scale): G_{i,k} = sum_j
+    gamma^(j-k) r_{i,j}, minus the mean of G_{.,k} over the members that reach turn k."""
+    returns = [[sum(gamma ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))]
+               for r in rows]
+    out = []
+    for g in returns:
+        out.append([g[k] - sum(h[k] for h in returns if len(h) > k)
+                    / sum(1 for h in returns if len(h) > k) for k in range(len(g))])
+    return out
+
+
+def reference_gigpo_centred(rows, anchors, gamma):
+    """GiGPO before scaling: the episode return centred over the group, and each step's
+    discounted return R_{i,k} centred within the steps that start from the same anchor."""
+    totals = [sum(r) for r in rows]
+    episode = [t - sum(totals) / len(totals) for t in totals]
+    returns = [[sum(gamma ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))]
+               for r in rows]
+    steps = []
+    for i, r in enumerate(returns):
+        row = []
+        for k, value in enumerate(r):
+            peers = [returns[j][m] for j in range(len(rows)) for m in range(len(rows[j]))
+                     if anchors[j][m] == anchors[i][k]]
+            row.append(value - sum(peers) / len(peers))
+        steps.append(row)
+    return episode, steps
+
+
+def equal_outcome_group(rng, n_turns):
+    """Scalar outcome 1.0 for every member, members of different lengths whose first turns
+    start from the same state (same prompt: the same GiGPO anchor)."""
+    trajs = []
+    for k in n_turns:
+        t = trajectory(rng, k, [0.0] * k)
+        trajs.append(t.model_copy(update={
+            "scores": 1.0, "turn_anchors": [f"s{j}-{k}" if j else "s0" for j in range(k)]}))
+    return ScoredGroup(trajectories=trajs)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "mt_grpo", "turn_rtg", "gigpo"])
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_dynamic_sampling_asks_the_configured_estimator(tmp_path, estimator, gamma):
+    from trainer.shaping import has_signal
+
+    rng = random.Random(3)
+    n_turns = [1, 2, 3, 2]
+    group = equal_outcome_group(rng, n_turns)
+    rows = [[0.0] * (k - 1) + [1.0] for k in n_turns]  # a scalar score: [0, ..., 0, outcome]
+    anchors = [t.turn_anchors for t in group.trajectories]
+    if estimator == "turn_rtg":
+        expected = any(abs(c) > 1e-9 for row in reference_rtg_centred(rows, gamma) for c in row)
+    elif estimator == "gigpo":
+        episode, steps = reference_gigpo_centred(rows, anchors, gamma)
+        expected = any(abs(c) > 1e-9 for c in episode + [c for row in steps for c in row])
+    else:  # the outcome estimators: equal outcomes, nothing to compare
+        expected = False
+    # discounting by the turns left is what gives the equal-outcome group a signal
+    assert expected == (estimator in ("turn_rtg", "gigpo") and gamma < 1)
+    config = TrainConfig(model="m", batch_size=4, estimator=estimator, gamma=gamma,
+                         dynamic_sampling=True, dynamic_sampling_max_batches=1)
+    assert has_signal(group.trajectories, config) == expected
+    GroupWriter(tmp_path / "g.jsonl").append([group])
+    batch = asyncio.run(DynamicSampling(JSONLBatches(tmp_path / "g.jsonl", 4), config).next())
+    assert len(batch.groups) == int(expected)
+    assert batch.stats["dynamic_sampling_groups_equal"] == float(not expected)
+    if expected:  # and the step trains on the advantages the check saw
+        tensors, stats = batch_tensors(batch, config, vocab_size=64, pad_id=0)
+        assert stats["groups_zero_variance"] == 0 and tensors.advantages.abs().sum() > 0
+
+
+def test_a_group_of_one_has_no_signal_unless_the_env_gives_advantages():
+    from trainer.shaping import has_signal
+
+    rng = random.Random(4)
+    for estimator in ("grpo", "mt_grpo", "turn_rtg", "gigpo"):
+        config = TrainConfig(model="m", estimator=estimator, gamma=0.9)
+        lone = trajectory(rng, 2, [1.0, 0.0])
+        assert not has_signal([lone], config)
+        given = lone.model_copy(update={"advantages": [0.5] * len(lone.tokens)})
+        assert has_signal([given], config)
+        zero = lone.model_copy(update={"advantages": [0.0] * len(lone.tokens)})
+        assert not has_signal([zero], config)
+
+
+def test_overlong_limit_defaults_to_the_generation_budget():
+    """Without overlong_max_tokens, L_max is the room a trajectory had for sampled tokens
+    (max_token_length less its prompt and tool tokens), so a rollout cut off at
+    max_token_length gets the full -1 and one well inside it none."""
+    from trainer.shaping import shape_rewards
+
+    rng = random.Random(5)
+    full = trajectory(rng, 3, [0.0, 0.0, 1.0])
+    short = trajectory(rng, 1, [1.0])
+    limit = len(full.tokens)  # the full one filled the context
+    config = TrainConfig(model="m", max_token_length=limit, overlong_buffer=4)
+    shaped = shape_rewards([full, short], config)
+    for before, after in zip([full, short], shaped):
+        budget = limit - sum(m == MASKED for m in before.masks)
+        assert after.scores[-1] == pytest.approx(
+            before.scores[-1] + reference_penalty(sampled(before), budget, 4))
+    assert shaped[0].scores[-1] == pytest.approx(1.0 - 1.0)  # at the budget: the full -1
+    assert shaped[1].scores == [1.0]  # far from the limit: untouched

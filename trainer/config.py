@@ -79,7 +79,8 @@ class TrainConfig(BaseModel):
     sequence."""
     # DAPO's batch shaping (trainer.shaping)
     dynamic_sampling: bool = False
-    """Set aside groups whose rewards are all equal and take more batches until
+    """Set aside groups that the configured estimator gives no non-zero advantage (equal
+    rewards for GRPO; a group of one trajectory) and take more batches until
     ``batch_size`` sequences have signal (whole groups beyond it are left out)."""
     dynamic_sampling_max_batches: int = Field(default=4, ge=1)
     """At most this many batches per step; then the step trains on what it has."""
@@ -88,7 +89,8 @@ class TrainConfig(BaseModel):
     ``overlong_buffer`` sampled tokens before ``overlong_max_tokens``, and 1 beyond (None:
     off)."""
     overlong_max_tokens: int | None = Field(default=None, ge=1)
-    """The penalty's limit on sampled tokens (None: ``max_token_length``)."""
+    """The penalty's limit on sampled tokens (None: each trajectory's generation budget,
+    ``max_token_length`` less its tokens that were not sampled: prompt, tool results)."""
     overlong_mask_truncated: bool = False
     """Leave truncated trajectories out of the loss (their rewards still count in their
     group's statistics)."""
@@ -198,7 +200,7 @@ class TrainConfig(BaseModel):
         limit = self.overlong_max_tokens or self.max_token_length
         if self.overlong_buffer is not None and self.overlong_buffer > limit:
             raise ValueError(f"overlong_buffer ({self.overlong_buffer}) exceeds the limit "
-                             f"({limit}, overlong_max_tokens or max_token_length)")
+                             f"({limit}, overlong_max_tokens, else at most max_token_length)")
         if self.mini_batches > self.batch_size:
             raise ValueError(f"mini_batches ({self.mini_batches}) exceeds batch_size "
                              f"({self.batch_size}): a mini-batch needs a sequence")

@@ -9,8 +9,15 @@ and ``L_cache`` the buffer before it::
                 = ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
                 = -1                                  |y| > L_max
 
+``L_max`` is ``overlong_max_tokens``, or by default the trajectory's generation budget:
+the tokens it had room to sample, ``max_token_length`` less its tokens that were not
+sampled (the prompt, tool results), so a rollout cut off at the limit gets the full -1.
+
 Truncated trajectories (``flags.truncated``) can also be left out of the loss (their
 rewards still count in their group's statistics): DAPO's overlong filtering.
+
+Dynamic sampling sets aside a group when the configured estimator gives every one of its
+tokens a zero advantage (:func:`has_signal`), not merely when its outcomes are equal.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from environments.trajectory import MASKED, ScoredTrajectory, equal_scores
+from environments.trajectory import MASKED, ScoredTrajectory
+from trainer.advantages import compute_group_advantages
 from trainer.config import TrainConfig
 from trainer.sources import Batch, BatchSource
 
@@ -41,10 +49,11 @@ def shape_rewards(trajectories: list[ScoredTrajectory],
     turn's score), when ``overlong_buffer`` is set; else as they are."""
     if config.overlong_buffer is None:
         return trajectories
-    limit = config.overlong_max_tokens or config.max_token_length
     shaped = []
     for t in trajectories:
         sampled = sum(m != MASKED for m in t.masks)
+        limit = config.overlong_max_tokens or \
+            config.max_token_length - (len(t.masks) - sampled)
         penalty = overlong_penalty(sampled, limit, config.overlong_buffer)
         if penalty == 0.0:
             shaped.append(t)
@@ -55,6 +64,26 @@ def shape_rewards(trajectories: list[ScoredTrajectory],
     return shaped
 
 
+def has_signal(trajectories: list[ScoredTrajectory], config: TrainConfig) -> bool:
+    """Whether a group gives any trained token a non-zero advantage under the configured
+    estimator (after overlong shaping), which is what the step would train on. Equal
+    outcomes are not enough to say no: GiGPO with ``gamma`` < 1 and ``turn_rtg`` give a
+    group of equal outcomes and different lengths non-zero advantages, and turn scores
+    that differ give MT-GRPO a turn-level signal. A group of one trajectory has no
+    baseline and so no signal, unless the env gave its advantages. A group the estimator
+    refuses (bad data) counts as one with signal: the step sets it aside and reports it."""
+    if len(trajectories) < 2 and all(t.advantages is None for t in trajectories):
+        return False
+    try:
+        result = compute_group_advantages(
+            shape_rewards(trajectories, config), config.estimator,
+            turn_advantage_coef=config.turn_advantage_coef, gamma=config.gamma,
+            scale=config.advantage_std_scaling)
+    except ValueError:
+        return True
+    return not result.zero_variance
+
+
 def trains_on(trajectory: ScoredTrajectory, config: TrainConfig) -> bool:
     """False for a truncated trajectory when ``overlong_mask_truncated`` is on."""
     return not (config.overlong_mask_truncated and trajectory.flags.truncated)
@@ -62,9 +91,8 @@ def trains_on(trajectory: ScoredTrajectory, config: TrainConfig) -> bool:
 
 @dataclass
 class DynamicSampling:
-    """A :class:`~trainer.sources.BatchSource` that sets aside the groups whose rewards
-    are all equal (:func:`~environments.trajectory.equal_scores`: no signal for any
-    estimator) and takes further batches from ``source`` until ``batch_size`` sequences
+    """A :class:`~trainer.sources.BatchSource` that sets aside the groups with no signal
+    for the configured estimator (:func:`has_signal`) and takes further batches from ``source`` until ``batch_size`` sequences
     have signal, at most ``dynamic_sampling_max_batches`` batches per step (then the
     step trains on what it has). Whole groups beyond ``batch_size`` are left out, as DAPO
     does. Every batch taken is finished (acknowledged) together after the step; the
@@ -88,7 +116,7 @@ class DynamicSampling:
             part = await self.source.next()
             parts.append(part)
             for group in part.groups:
-                if equal_scores(group.trajectories):
+                if not has_signal(group.trajectories, self.config):
                     equal += 1
                 elif n + len(group.trajectories) > self.config.batch_size:
                     surplus += 1
