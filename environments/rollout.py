@@ -54,6 +54,9 @@ class GeneratedTurn:
     ended_with_eos: bool
     parsed: ParsedTurn | None = None
     """The turn's tool calls, when the backend parsed them itself (OpenAI API)."""
+    weight_versions: list[tuple[str, int, int]] | None = None
+    """``(label, start, end)`` over ``token_ids``: which weights sampled which tokens, as
+    the server labelled them (None: it did not say)."""
 
 
 class TurnBackend(Protocol):
@@ -72,9 +75,40 @@ class AssistantTurn:
     tool_calls: list[ParsedToolCall]
     tool_errors: list[str]
     policy_version: int | None
+    """The oldest weight version that sampled any of its tokens."""
     text: str
     tool_results: list[str] = field(default_factory=list)
     """The content sent back for each call, in order (errors included)."""
+    version_spans: list[tuple[int, int, int]] | None = None
+    """``(start, end, version)`` in the trajectory's tokens, one per run of tokens that one
+    weight version sampled; more than one when the turn ran across an in-flight weight
+    update. None: the server did not say (the whole turn is ``policy_version``)."""
+
+
+def turn_versions(generated: GeneratedTurn, start: int,
+                  known: int | None) -> tuple[int | None, list[tuple[int, int, int]] | None]:
+    """The policy version of a turn that starts at token ``start`` of its trajectory (the
+    oldest that sampled any of its tokens), and its version spans
+    (:attr:`AssistantTurn.version_spans`).
+
+    ``known``: the version the env knew when it sent the request (from the rollout API).
+    The server's labels win where it gave them (the trainer labels every full-weight
+    update with its version; an env learns of an update only at its next status poll).
+    Tokens labelled ``default`` were sampled by the weights the server started with:
+    ``known``, or 0 when the env knows none (a fresh run before its first sync). A turn
+    whose tokens all carry ``default`` (a server the trainer never labelled) is
+    ``known``, with no spans."""
+    labels = generated.weight_versions or []
+    if not any(label.isdigit() for label, _, _ in labels):
+        return known, None
+    spans: list[tuple[int, int, int]] = []
+    for label, s, e in labels:
+        version = int(label) if label.isdigit() else (known if known is not None else 0)
+        if spans and spans[-1][2] == version and spans[-1][1] == start + s:
+            spans[-1] = (spans[-1][0], start + e, version)
+        else:
+            spans.append((start + s, start + e, version))
+    return min(v for _, _, v in spans), spans
 
 
 @dataclass
@@ -108,6 +142,14 @@ class Rollout:
     reward_values: dict[str, Any] = field(default_factory=dict)
     """Set by ``BaseEnv`` when scored with reward functions: each function's value (a
     float, or one per turn), by name."""
+    generation_seconds: float = 0.0
+    """Time spent waiting for the inference server's turns (the agent loop, the
+    interception proxy add to it)."""
+    env_seconds: float = 0.0
+    """Set by ``BaseEnv``: the rest of the rollout's time (tools, sandboxes, the agent's
+    own work, rewards)."""
+    queue_wait_seconds: float = 0.0
+    """Set by ``BaseEnv``: time waiting for a rollout slot (``concurrency``)."""
 
     @property
     def tool_errors(self) -> int:

@@ -66,6 +66,8 @@ from trainer.losses import policy_loss, sft_loss
 from trainer.metrics import Metrics, Progress
 from trainer.shaping import shape_rewards, trains_on, with_dynamic_sampling
 from trainer.sources import Batch, open_source
+from trainer.timing import StepClock, untimed
+from trainer.versions import only_version
 from trainer.vllm_sync import PolicyServers, sharded_sync_check
 
 log = logging.getLogger("lachesis.train")
@@ -125,6 +127,8 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
         for t in group.trajectories:
             for name, value in (t.metadata.get("metrics") or {}).items():
                 env_metrics.setdefault(name, []).append(float(value))
+            for name, value in (t.metadata.get("seconds") or {}).items():  # per rollout
+                env_metrics.setdefault(f"time/{name}", []).append(float(value))
         if result is None:
             dropped += 1
             continue
@@ -311,7 +315,8 @@ def train_steps(model, optimizer, batch: TrainBatch, config: TrainConfig,
 
 
 async def trainable_batch(source, config: TrainConfig, vocab_size: int, pad_id: int,
-                          leader: bool) -> tuple[Batch, TrainBatch | None, dict[str, float]]:
+                          leader: bool, clock: Any = untimed
+                          ) -> tuple[Batch, TrainBatch | None, dict[str, float]]:
     """The next batch with something to train on, checked and with advantages. A batch
     whose groups were all set aside (or all dropped) is acknowledged (its bad groups as
     dead letters) and skipped; after ``max_untrainable_batches`` of them in a row,
@@ -319,10 +324,12 @@ async def trainable_batch(source, config: TrainConfig, vocab_size: int, pad_id: 
     reasons: dict[str, int] = {}
     groups = 0
     for _ in range(config.max_untrainable_batches):
-        batch = await source.next()
+        with clock("batch_wait"):
+            batch = await source.next()
         if batch.tensors is not None:
             return batch, batch.tensors, {}
-        tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
+        with clock("prepare"):
+            tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
         if tensors is not None:
             return batch, tensors, stats
         loaded = {g.group_id for g in batch.groups}
@@ -424,14 +431,21 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             await servers.start()
         for step in range(start_step, config.steps):
             started = time.monotonic()
+            clock = StepClock()
             # 1-2. a batch, checked, with advantages (bad groups set aside); a batch with
             # nothing to train on is acknowledged and is not a step
             batch, tensors, stats = await trainable_batch(source, config, vocab_size, pad_id,
-                                                          leader)
+                                                          leader, clock)
             # 3. step 0: the trainer's logprobs must be vLLM's
             if step == start_step == 0 and config.check_alignment and rl \
                     and tensors is not None:
-                diff, compared = alignment_check(model.eval(), tensors, config)
+                # only the tokens these weights (version 0) sampled (trainer/versions.py)
+                with clock("prepare"):
+                    own = only_version(batch, 0)
+                    check = tensors if own is None else batch_tensors(own, config, vocab_size,
+                                                                      pad_id)[0]
+                    diff, compared = alignment_check(model.eval(), check, config) \
+                        if check is not None else (0.0, 0)
                 skipped = stats.get("sequences_without_behaviour_logprobs", 0)
                 if skipped:
                     log.info("alignment check: skipping %d sequences without "
@@ -439,6 +453,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     summary["alignment_skipped_sequences"] = skipped
                 if compared:
                     summary["alignment_mean_abs_diff"] = diff
+                    summary["alignment_compared_tokens"] = compared
                     log.info("alignment check: mean |trainer - vLLM| logprob = %.2e over %d "
                              "tokens", diff, compared)
                 else:
@@ -458,8 +473,10 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     group["lr"] = config.lr * min(1.0, (step + 1) / warmup)
                 values["lr"] = optimizer.param_groups[0]["lr"]
             if tensors is not None:
-                values.update(train_steps(model, optimizer, tensors, config, ref_model=ref_model,
-                                          rank=rank, world=world, sharded=sharded))
+                with clock("train"):
+                    values.update(train_steps(model, optimizer, tensors, config,
+                                              ref_model=ref_model, rank=rank, world=world,
+                                              sharded=sharded))
             version = step + 1
             syncs = serves and (version % config.sync_every == 0 or version == config.steps)
             checkpoints = version % config.checkpoint_every == 0 or version == config.steps
@@ -471,26 +488,29 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             # check that they arrived, then the new version to the rollout API
             if leader:
                 await source.finish(batch)
+            with clock("sync"):
                 if servers is not None:
                     values.update(await servers.check())
                     if syncs:
                         values.update(await servers.publish(model, tokenizer, version, weights))
-            if syncs and sharded_check:
-                values.update(await sharded_sync_check(servers, model, len(tokenizer)))
-                sharded_check = config.check_sync_every
+                if syncs and sharded_check:
+                    values.update(await sharded_sync_check(servers, model, len(tokenizer)))
+                    sharded_check = config.check_sync_every
+                if leader and servers is not None and syncs:
+                    await source.publish_version(version, servers.model_name)
             if not leader:
                 continue
-            if servers is not None and syncs:
-                await source.publish_version(version, servers.model_name)
-            # 6. metrics and checkpoints
+            # 6. checkpoints and metrics (time/*: trainer/timing.py)
             seconds = time.monotonic() - started
             values["step_seconds"] = seconds
             values["tokens_per_second"] = values.get("trained_tokens", 0) / seconds
+            if checkpoints:
+                with clock("checkpoint"):
+                    save_checkpoint(run_dir, version, model, optim, tokenizer,
+                                    source.position, weights)
+            values.update(clock.metrics())
             metrics.log(version, values)
             progress.update(version, values)
-            if checkpoints:
-                save_checkpoint(run_dir, version, model, optim, tokenizer, source.position,
-                                weights)
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
     finally:
         if progress is not None:

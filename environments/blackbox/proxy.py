@@ -76,7 +76,7 @@ from environments.inference.backends import VLLMBackend, current_seeds, sampling
 from environments.inference.chat_template import ChatRenderer, ChatTemplateError
 from environments.inference.tool_parsers import ToolCallParser
 from environments.inference.vllm_client import ContextLengthError, InferenceError
-from environments.rollout import AssistantTurn, Rollout
+from environments.rollout import AssistantTurn, Rollout, turn_versions
 
 log = logging.getLogger(__name__)
 
@@ -585,6 +585,7 @@ class InterceptionProxy:
         max_tokens = min(x for x in (room, self.max_tokens_per_turn, body.max_tokens,
                                      body.max_completion_tokens) if x is not None)
         version = self.policy_version()
+        asked = time.monotonic()
         try:
             with sampling_seeds(rollout.seeds):  # (the handler is not the rollout's task)
                 generated = await rollout.backend.generate_from(context, max_tokens)
@@ -594,13 +595,15 @@ class InterceptionProxy:
             raise RequestError(f"the conversation has {len(context)} tokens, more than the "
                                f"inference server serves: {error}",
                                "context_length_exceeded") from None
+        state.generation_seconds += time.monotonic() - asked
         start = len(state.tokens)
         state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
         segment.ended_with_eos = generated.ended_with_eos
         parsed = self.parser.parse(generated.text)
+        version, spans = turn_versions(generated, start, version)
         turn = AssistantTurn((start, len(state.tokens)), generated.finish_reason, parsed.calls,
                              [f"malformed tool call: {e}" for e in parsed.errors], version,
-                             generated.text)
+                             generated.text, version_spans=spans)
         state.turns.append(turn)
         index = len(state.turns) - 1
         content = parsed.content if parsed.calls else generated.text

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from typing import Any, Callable
 
 from environments.framework.tools import Tool, ToolError
@@ -39,6 +40,7 @@ from environments.rollout import (  # noqa: F401  (re-exported: their old home)
     Rollout,
     RolloutState,
     TurnBackend,
+    turn_versions,
 )
 
 
@@ -99,6 +101,7 @@ async def run_agent_loop(
         budget = max_token_length - len(state.context)
         max_tokens = min(budget, max_tokens_per_turn or budget)
         version = policy_version() if callable(policy_version) else policy_version
+        asked = time.monotonic()
         try:
             generated = await backend.generate(state, max_tokens)
         except ContextLengthError:
@@ -113,6 +116,7 @@ async def run_agent_loop(
                 state.extra["segments"] = segments
             state.truncated, state.stop = True, "max_tokens"  # as with no room left
             break
+        state.generation_seconds += time.monotonic() - asked
         start = len(state.tokens)
         state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
 
@@ -122,9 +126,10 @@ async def run_agent_loop(
         if calls:
             assistant["tool_calls"] = [c.model_dump() for c in to_message_tool_calls(calls)]
         state.messages.append(assistant)
+        version, spans = turn_versions(generated, start, version)
         turn = AssistantTurn((start, len(state.tokens)), generated.finish_reason, calls,
                              [f"malformed tool call: {e}" for e in parse_errors],
-                             version, generated.text)
+                             version, generated.text, version_spans=spans)
         state.turns.append(turn)
 
         if generated.finish_reason == "length" or len(state.context) >= max_token_length:
@@ -179,7 +184,9 @@ def describe_turns(state: Rollout) -> list[dict[str, Any]]:
     """Per-turn records for trajectory metadata (JSON-friendly)."""
     return [{"span": list(t.span), "finish_reason": t.finish_reason,
              "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in t.tool_calls],
-             "tool_errors": t.tool_errors, "policy_version": t.policy_version}
+             "tool_errors": t.tool_errors, "policy_version": t.policy_version,
+             **({"version_spans": [list(s) for s in t.version_spans]}
+                if t.version_spans and len(t.version_spans) > 1 else {})}
             for t in state.turns]
 
 

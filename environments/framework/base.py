@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import random
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,6 +206,16 @@ class EnvStats:
     assistant_turns: int = 0
     sampled_tokens: int = 0
     not_prefix_preserving: int = 0
+    generation_seconds: float = 0.0
+    """Summed over the rollouts of the groups collected: waiting for the inference
+    server's turns..."""
+    env_seconds: float = 0.0
+    """... the env's own work (tools, sandboxes, rewards) ..."""
+    queue_wait_seconds: float = 0.0
+    """... waiting for a rollout slot (``concurrency``)."""
+    backpressure_seconds: float = 0.0
+    """Time the env server held back new groups because the rollout API held
+    ``max_queued_groups`` already (the trainer is behind)."""
     recent_failures: list[dict[str, str]] = field(default_factory=list)
     """The last ``RECENT_FAILURES`` dropped groups (failed or reward errors): item id and
     the first error."""
@@ -563,6 +574,9 @@ class BaseEnv:
                          if rollout.segment_starts else {}),
                       **({"rewards": dict(rollout.reward_values)}
                          if rollout.reward_values else {}),
+                      "seconds": {"generation": round(rollout.generation_seconds, 4),
+                                  "env": round(rollout.env_seconds, 4),
+                                  "queue_wait": round(rollout.queue_wait_seconds, 4)},
                       "metrics": {**reward_metrics(rollout.reward_values),
                                   **self.rollout_metrics(item, rollout, scores)}})
 
@@ -585,7 +599,9 @@ class BaseEnv:
         task while ``collect_trajectory`` runs; its snapshot is taken as soon as it
         returns, with no ``await`` in between, so no other rollout can change the state
         before it is copied. Scoring then reads only the snapshot."""
+        asked = time.monotonic()
         async with self._rollout_slots:
+            began = time.monotonic()
             state = await _maybe_await(self.new_rollout_state(item))
             token = set_rollout_state(state)
             try:  # (user overrides may take no `evaluation`)
@@ -607,7 +623,10 @@ class BaseEnv:
                 rollout.env_state = snapshot
             finally:
                 reset_rollout_state(token)
-        return rollout, await self._score(item, rollout)
+        scores = await self._score(item, rollout)
+        rollout.queue_wait_seconds = began - asked
+        rollout.env_seconds = time.monotonic() - began - rollout.generation_seconds
+        return rollout, scores
 
     async def collect_group(self, item: Any) -> ScoredGroup | None:
         """Sample ``group_size`` rollouts of ``item`` concurrently and score them.
@@ -649,6 +668,9 @@ class BaseEnv:
             s.assistant_turns += len(rollout.turns)
             s.sampled_tokens += sum(e - b for b, e in (t.span for t in rollout.turns))
             s.not_prefix_preserving += not rollout.prefix_preserving
+            s.generation_seconds += rollout.generation_seconds
+            s.env_seconds += rollout.env_seconds
+            s.queue_wait_seconds += rollout.queue_wait_seconds
         if equal_scores(trajectories):
             if not self.config.keep_equal_score_groups:
                 self.stats.groups_dropped_equal_scores += 1

@@ -34,18 +34,23 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
     if n_groups is not None:
         workers = min(workers, n_groups)
     reserved = delivered = in_progress = 0
+    held_since: float | None = None
     done = asyncio.Event()
 
     async def worker() -> None:
-        nonlocal reserved, delivered, in_progress
+        nonlocal reserved, delivered, in_progress, held_since
         while not done.is_set():
             if n_groups is not None and reserved + in_progress >= n_groups:
                 await asyncio.sleep(0.05)  # enough groups under way; one may still fail
                 continue
             limit = env.config.max_queued_groups
             if limit is not None and (env.queued_groups or 0) + in_progress >= limit:
+                held_since = held_since or time.monotonic()
                 await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
                 continue
+            if held_since is not None:  # (the wall time the limit held groups back)
+                env.stats.backpressure_seconds += time.monotonic() - held_since
+                held_since = None
             in_progress += 1
             try:
                 group = await _one_group(env, await env.get_next_item())

@@ -1,4 +1,5 @@
-"""The end of a run: a before/after table of the evaluations and the reward curve."""
+"""The end of a run: a before/after table of the evaluations, where the time went, and the
+reward curve."""
 
 from __future__ import annotations
 
@@ -41,13 +42,7 @@ def _num(value: Any, ci: list[float] | None = None) -> str:
 
 def reward_curve(metrics_path: Path, out: Path, title: str) -> Path | None:
     """PNG of the batch mean reward (and env accuracy/tool success when logged) per step."""
-    rows = []
-    with open(metrics_path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+    rows = read_metrics(metrics_path)
     if not rows:
         return None
     import matplotlib
@@ -73,12 +68,69 @@ def reward_curve(metrics_path: Path, out: Path, title: str) -> Path | None:
     return out
 
 
+_STEP_PARTS = [("batch_wait", "waiting for batches"), ("prepare", "advantages, packing"),
+               ("train", "forward, backward, optimizer"), ("sync", "weight syncs"),
+               ("checkpoint", "checkpoints")]
+_ROLLOUT_PARTS = [("generation", "generation"), ("env", "env (tools, rewards)"),
+                  ("queue_wait", "queue wait")]
+
+
+def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with open(metrics_path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return rows
+
+
+def time_table(phases: dict[str, float], rows: list[dict[str, Any]]) -> str:
+    """Markdown: "where the time went". ``phases``: seconds of each phase of the run, in
+    order (the RL phase is ``training``); ``rows``: the trainer's metrics, whose
+    ``time/*`` (trainer/timing.py) split the training phase, and whose
+    ``env/time/*`` (per rollout, means per batch) say what a rollout spent on what."""
+    total = sum(phases.values())
+    lines = ["**Where the time went**", "", "| where | seconds | share |", "|---|---:|---:|"]
+    for name, seconds in phases.items():
+        lines.append(f"| {name} | {seconds:.1f} | {seconds / total:.0%} |" if total else
+                     f"| {name} | {seconds:.1f} | - |")
+        if name == "training" and any("time/step" in r for r in rows):
+            steps = [r for r in rows if "time/step" in r]
+            in_steps = sum(r["time/step"] for r in steps)
+            counted = 0.0
+            for part, label in _STEP_PARTS:
+                value = sum(r.get(f"time/{part}", 0.0) for r in steps)
+                counted += value
+                lines.append(f"| &nbsp;&nbsp;{label} | {value:.1f} | "
+                             f"{value / total:.0%} |" if total else
+                             f"| &nbsp;&nbsp;{label} | {value:.1f} | - |")
+            other = in_steps - counted
+            lines.append(f"| &nbsp;&nbsp;rest of the {len(steps)} steps | {other:.1f} | "
+                         + (f"{other / total:.0%} |" if total else "- |"))
+    lines.append(f"| **total** | {total:.1f} | |")
+    rollout = [(label, [r[f"env/time/{part}"] for r in rows if f"env/time/{part}" in r])
+               for part, label in _ROLLOUT_PARTS]
+    if any(values for _, values in rollout):
+        lines += ["", "A rollout's seconds (mean over the batches): " + ", ".join(
+            f"{label} {sum(values) / len(values):.2f}" for label, values in rollout if values)
+            + "."]
+    return "\n".join(lines) + "\n"
+
+
 def write_summary(run_dir: Path, summary: dict[str, Any], metrics_path: Path) -> dict[str, Any]:
     written: dict[str, Any] = {}
     parts = [f"# Run {run_dir.name}", ""]
     if "before" in summary and "after" in summary:
         written["table"] = before_after_table(summary["before"], summary["after"])
         parts.append(written["table"])
+    if summary.get("phases"):
+        written["time_table"] = time_table(summary["phases"], read_metrics(metrics_path))
+        parts.append(written["time_table"])
     png = reward_curve(metrics_path, run_dir / "reward_curve.png",
                        f"{run_dir.name}: rollout batches during RL")
     if png is not None:

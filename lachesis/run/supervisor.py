@@ -292,12 +292,15 @@ class Supervisor:
             raise RunFailed("; ".join(problems) + " (lachesis run CONFIG --plan shows the "
                             "whole layout)")
         run_dir.mkdir(parents=True, exist_ok=True)
+        phases: dict[str, float] = {}  # where the time went (the summary's table)
+        lap = Lap()
         become_subreaper()
         (run_dir / "run_id").write_text(self.run_id + "\n")  # the LACHESIS_RUN_ID of its processes
         write_yaml(run_dir / "configs" / "run.yaml", config.model_dump(mode="json"))
         if self.ray_address is not None:
             self.placement = RayPlacement(config, self.run_id)
         model = self.prepare_model()
+        phases["model (warm start)"] = lap()
         self.layout = layout = build_layout(config, model, self.placement)
         if isinstance(self.placement, RayPlacement):
             for process in layout.processes:  # those that listen on nothing are placed now
@@ -324,9 +327,12 @@ class Supervisor:
             write_yaml(*server.settings)
         # Each env with its first server's settings; atroposlib envs evaluate themselves.
         evaluated = [s for s in layout.envs if s.first and s.kind == "lachesis"]
-        summary: dict[str, Any] = {"run_dir": str(run_dir), "model": model}
+        summary: dict[str, Any] = {"run_dir": str(run_dir), "model": model,
+                                   "phases": phases}
+        phases["start-up"] = lap()
         if config.evaluate and config.evaluate_before:
             summary["before"] = self.evaluate("before", evaluated)
+            phases["evaluation before"] = lap()
 
         train_dir = run_dir / "trainer"
         total_steps = int(config.train.get("steps", 100))
@@ -357,11 +363,13 @@ class Supervisor:
             progress.update(last_metrics(train_dir / "metrics.jsonl"),
                             _get_json(api_url + "/status"))
             self.progress = None
+        phases["training"] = lap()
         for child in [c for c in self.children if c.name.startswith("env-")]:
             child.stop()  # no more rollouts: vLLM now serves the final weights
             self.children.remove(child)
         if config.evaluate:
             summary["after"] = self.evaluate("after", evaluated)
+            phases["evaluation after"] = lap()
 
         if self.restarts:
             summary["vllm_restarts"] = dict(self.restarts)
@@ -370,6 +378,18 @@ class Supervisor:
         summary.update(write_summary(run_dir, summary, train_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary
+
+
+class Lap:
+    """Seconds since the previous call (or since it was made)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        seconds, self.last = now - self.last, now
+        return seconds
 
 
 def run_quietly(config: RunConfig) -> dict[str, Any]:
@@ -429,6 +449,7 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
     try:
         summary = supervisor.run()
         print(summary.get("table", ""), flush=True)
+        print(summary.get("time_table", ""), flush=True)
         print(f"run directory: {run_dir}", flush=True)
         return 0
     except (RunFailed, PlacementFailed) as error:

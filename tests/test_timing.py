@@ -1,0 +1,59 @@
+"""The time budget: every trainer step says in metrics.jsonl where its time went
+(``time/*``, trainer/timing.py), the env's per-rollout seconds reach the step's metrics,
+and the end of ``lachesis run`` turns them into a "where the time went" table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+from test_turn_prefix import trajectory
+
+from environments.jsonl_store import GroupWriter
+from environments.trajectory import ScoredGroup
+from lachesis.run.report import time_table, write_summary
+from trainer.config import TrainConfig
+from trainer.timing import PARTS
+from trainer.train import train
+
+
+def test_every_step_logs_where_its_time_went(tiny_model_dir, tmp_path):
+    rng = random.Random(0)
+    groups = []
+    for g in range(4):
+        trajs = [trajectory(rng, 2, [0.0, float(i % 2)]) for i in range(4)]
+        trajs = [t.model_copy(update={"metadata": {
+            **t.metadata, "seconds": {"generation": 1.0 + g, "env": 0.5, "queue_wait": 0.0}}})
+            for t in trajs]
+        groups.append(ScoredGroup(trajectories=trajs))
+    GroupWriter(tmp_path / "g.jsonl").append(groups)
+    config = TrainConfig(model=str(tiny_model_dir), data=tmp_path / "g.jsonl",
+                         run_dir=tmp_path / "run", batch_size=8, steps=2, lr=1e-4,
+                         check_alignment=False, tensorboard=False, checkpoint_every=2)
+    asyncio.run(train(config))
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        parts = [r[f"time/{p}"] for p in PARTS]
+        assert all(v >= 0 for v in parts)
+        assert r["time/train"] > 0 and r["time/step"] >= sum(parts)
+        assert r["time/sync"] < r["time/step"]  # no vLLM: nothing to sync
+    assert rows[0]["time/checkpoint"] == 0 and rows[1]["time/checkpoint"] > 0  # every 2
+    # the env's per-rollout seconds, averaged over the batch's trajectories (2 groups each)
+    assert rows[0]["env/time/generation"] == pytest.approx(1.5)
+    assert rows[1]["env/time/generation"] == pytest.approx(3.5)
+    assert rows[0]["env/time/env"] == pytest.approx(0.5)
+
+    phases = {"model (warm start)": 10.0, "start-up": 5.0, "training": 20.0,
+              "evaluation after": 5.0}
+    table = time_table(phases, rows)
+    assert "| training | 20.0 | 50% |" in table and "| **total** | 40.0 | |" in table
+    train_seconds = sum(r["time/train"] for r in rows)
+    assert f"forward, backward, optimizer | {train_seconds:.1f} |" in table
+    assert "generation 2.50" in table  # mean of the two batches' means
+    written = write_summary(tmp_path / "run", {"phases": phases},
+                            tmp_path / "run/metrics.jsonl")
+    assert written["time_table"] == table
+    assert table in (tmp_path / "run/summary.md").read_text()
