@@ -31,3 +31,35 @@ def test_minimum_share_reserves_sequences_for_an_env():
     assert seqs(select_batch(q, 8, {1: 0.5})) == [0, 4]
     # ... and the batch waits while env 1 has queued less than its share
     assert select_batch(queue(4, 4, 4, env=[0, 0, 0]), 8, {1: 0.5}) is None
+
+
+def test_env_weights_mix_each_batch_and_the_run_by_weight():
+    """Weights 3 and 1, both envs with plenty queued: batches of 4 groups take 3 + 1,
+    whatever the arrival order; batches of 2 groups alternate so the run is 3:1; an env
+    with nothing queued earns no credit meanwhile; without weights, oldest first."""
+    def arrivals(n):  # env 1's groups all arrived first
+        return [QueuedGroup(i, f"g{i}", 1 if i < n else 0, 4, None) for i in range(2 * n)]
+
+    weights = {0: 3.0, 1: 1.0}
+    credit: dict = {}
+    picked = select_batch(arrivals(8), 16, weights=weights, credit=credit)
+    assert sorted(g.env_id for g in picked) == [0, 0, 0, 1]
+    assert [g.seq for g in picked if g.env_id == 0] == [8, 9, 10]  # each env's oldest
+    queue = arrivals(40)
+    counts = {0: 0, 1: 0}
+    for _ in range(20):  # 2 groups per batch: 3:1 only over several batches
+        picked = select_batch(queue, 8, weights=weights, credit=credit)
+        for g in picked:
+            counts[g.env_id] += 1
+            queue.remove(g)
+    assert counts == {0: 30, 1: 10}
+    # env 0 had nothing queued for a while: it comes back with no backlog of credit
+    credit = {}
+    only_one = [QueuedGroup(i, f"g{i}", 1, 4, None) for i in range(10)]
+    for _ in range(3):
+        picked = select_batch(only_one, 8, weights=weights, credit=credit)
+        only_one = [g for g in only_one if g not in picked]
+    both = only_one + [QueuedGroup(100 + i, f"h{i}", 0, 4, None) for i in range(6)]
+    mix = [g.env_id for g in select_batch(both, 16, weights=weights, credit=credit)]
+    assert sorted(mix) == [0, 0, 0, 1]
+    assert seqs(select_batch(arrivals(8), 16)) == [0, 1, 2, 3]

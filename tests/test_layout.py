@@ -238,7 +238,13 @@ def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_py
                                   "--vllm-url", layout.replicas[1].url, "--model", "policy",
                                   "--host", "127.0.0.1", "--port", str(bridge.port)]
     settings = atropos1.settings[1]
-    assert settings["env"] == {"max_num_workers": 2, "rollout_server_url": layout.api.url,
+    # the server's port is picked per start: the env's name and files must not follow it
+    assert openenv.settings[1]["env_name"] == openenv.label == "openenv_http_127.0.0.1"
+    assert "env_name" not in other.settings[1]
+    # every env is paced by the run: at most a batch of its groups ahead of the trainer
+    assert [e.settings[1]["max_queued_groups"] for e in (openenv, other)] == [2, 4]
+    assert settings["env"] == {"max_batches_offpolicy": 1, "max_num_workers": 2,
+                               "rollout_server_url": layout.api.url,
                                "tokenizer_name": "some/model", "use_wandb": False,
                                "inference_weight": 1.0}
     assert settings["openai"]["base_url"] == f"{bridge.url}/v1"

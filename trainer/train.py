@@ -142,6 +142,9 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
              "rows": len(trajectories),
              "row_tokens": sum(len(t.tokens) for t in trajectories), **batch.stats,
              **{f"env/{k}": float(np.mean(v)) for k, v in sorted(env_metrics.items())}}
+    for group in trained_groups:  # the step's mix of envs
+        name = f"mix/{group.env or f'env_id_{group.env_id}'}"
+        stats[name] = stats.get(name, 0) + 1
     versions = [t.policy_version for g in trained_groups for t in g.trajectories
                 if t.policy_version is not None]
     if versions:

@@ -7,7 +7,13 @@ Rules, in order:
    ``floor(m * batch_size)`` sequences of every batch (its oldest groups). If it has
    queued less than that, the batch waits for it (as Atropos does). Shares that add up
    to more than the batch are scaled down proportionally.
-3. The rest of the batch is filled with the oldest groups of any env that fit.
+3. The rest of the batch is filled with the oldest groups of any env that fit; with env
+   weights, by deficit round robin instead: every env with queued groups earns its weight's
+   share of the batch as credit (``credit_e += w_e / sum of those w * batch_size``), and
+   each next group is the oldest one that fits of the env with the most credit, which pays
+   its size. Credit carries over to the next batch (bounded by one batch either way), so
+   over a run each env's share of the trained sequences follows its weight even when one
+   batch cannot split exactly; an env with nothing queued earns nothing meanwhile.
 4. A batch holds exactly ``batch_size`` sequences whenever the queued groups can make
    that number (a subset-sum search that prefers older groups fills gaps greedy filling
    leaves); when no combination can, for example groups of 3 with a batch of 64, it
@@ -72,17 +78,50 @@ def _exact_fill(sizes: Sequence[int], capacity: int) -> list[int] | None:
     return sorted(chosen)
 
 
+def _weighted_fill(rest: list[QueuedGroup], room: int, weights: dict[int | None, float],
+                   credit: dict[int | None, float], batch_size: int) -> list[QueuedGroup]:
+    """Rule 3 with weights: groups of ``rest`` (oldest first) for ``room`` sequences,
+    by deficit round robin over the envs; ``credit`` is updated in place. An env missing
+    from ``weights`` (or a group without env) weighs 1."""
+    by_env: dict[int | None, list[QueuedGroup]] = {}
+    for g in rest:
+        by_env.setdefault(g.env_id, []).append(g)
+    weight = {env: max(0.0, weights.get(env, 1.0)) for env in by_env}
+    total = sum(weight.values())
+    for env in by_env:
+        credit[env] = credit.get(env, 0.0) + (weight[env] / total * room if total else 0.0)
+    chosen: list[QueuedGroup] = []
+    while room > 0:
+        fitting = {env: next((g for g in groups if g.n_sequences <= room), None)
+                   for env, groups in by_env.items()}
+        candidates = [(env, g) for env, g in fitting.items() if g is not None]
+        if not candidates:
+            break
+        env, g = max(candidates, key=lambda c: (credit[c[0]], -c[1].seq))
+        by_env[env].remove(g)
+        chosen.append(g)
+        credit[env] -= g.n_sequences
+        room -= g.n_sequences
+    for env in list(credit):
+        credit[env] = min(batch_size, max(-batch_size, credit[env]))
+    return chosen
+
+
 def select_batch(
     queue: Iterable[QueuedGroup],
     batch_size: int,
     min_shares: dict[int, float] | None = None,
     search_window: int = 512,
+    weights: dict[int | None, float] | None = None,
+    credit: dict[int | None, float] | None = None,
 ) -> list[QueuedGroup] | None:
     """The groups of the next batch (oldest first), or ``None`` to wait for more data.
 
     ``queue`` is in arrival order and holds only groups of at most ``batch_size``
     sequences. ``search_window`` bounds how many of the oldest groups the exact-fill
-    search looks at.
+    search looks at. ``weights`` (env id -> weight) mix the batch by weight (rule 3);
+    ``credit`` is the envs' carried credit, updated in place (give the same dict to every
+    call).
     """
     groups = list(queue)
     total = sum(g.n_sequences for g in groups)
@@ -106,10 +145,16 @@ def select_batch(
 
     chosen_ids = {g.seq for g in chosen}
     rest = [g for g in groups if g.seq not in chosen_ids]
+    if weights is not None:
+        filled = _weighted_fill(rest, batch_size - taken, weights,
+                                credit if credit is not None else {}, batch_size)
+        chosen += filled
+        taken += sum(g.n_sequences for g in filled)
+    chosen_ids = {g.seq for g in chosen}
     for g in rest:
         if taken == batch_size:
             break
-        if taken + g.n_sequences <= batch_size:
+        if g.seq not in chosen_ids and taken + g.n_sequences <= batch_size:
             chosen.append(g)
             taken += g.n_sequences
 

@@ -113,6 +113,8 @@ class RolloutAPI:
         self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-db")
         loaded = self.db.load()
         self.queue: dict[int, QueuedGroup] = {g.seq: g for g in loaded.queue}
+        self.mix_credit: dict[int | None, float] = {}
+        """Each env's carried credit in the weighted mix of batches (batching rule 3)."""
         latest_expiry = time.time() + config.lease_timeout_s  # this run's timeout applies
         self.leases: dict[str, Lease] = {
             row.lease_id: Lease(row.lease_id, row.trainer, min(row.expires_at, latest_expiry),
@@ -269,7 +271,9 @@ class RolloutAPI:
         min_shares = {e.env_id: e.min_batch_allocation for e in self.envs.values()
                       if e.connected and e.min_batch_allocation}
         fitting = (g for g in self.queue.values() if g.n_sequences <= batch_size)
-        chosen = select_batch(fitting, batch_size, min_shares)
+        weights = {e.env_id: e.weight for e in self.envs.values()}
+        chosen = select_batch(fitting, batch_size, min_shares, weights=weights,
+                              credit=self.mix_credit)
         if chosen:
             for g in chosen:
                 del self.queue[g.seq]
@@ -361,7 +365,7 @@ class RolloutAPI:
     async def reset(self) -> None:
         """Forget everything: queue, leases, envs, trainer, step, version, counters."""
         await self._in_db_thread(self.db.reset)
-        self.queue, self.leases, self.envs = {}, {}, {}
+        self.queue, self.leases, self.envs, self.mix_credit = {}, {}, {}, {}
         self.trainer, self.step, self.policy_version = None, 0, None
         self.policy_model = None
         self.counters, self._unsaved_counts = Counter(), Counter()

@@ -111,14 +111,18 @@ class EnvConfig(BaseModel):
     concurrency: int = Field(default=16, ge=1)
     """Rollouts in flight at once, across groups."""
     # rollout API
+    env_name: str | None = Field(default=None, min_length=1, max_length=200)
+    """The name the env registers under and writes into its groups (default: the env
+    class's ``name``). ``lachesis run`` sets it for an env whose URL holds the port of a
+    server it starts, so the name stays the same across ``--resume``."""
     api_url: str = "http://127.0.0.1:8000"
     api_token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
     env_weight: float = Field(default=1.0, gt=0)
     min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
     max_queued_groups: int | None = Field(default=None, ge=1)
-    """Wait before starting a group while the rollout API holds this many groups (queued
-    plus this env's groups under way): keeps rollouts close to the current policy.
-    None: never wait."""
+    """Wait before starting a group while the rollout API holds this many of this env's
+    groups (queued, plus its groups under way): keeps rollouts close to the current
+    policy, and one env from crowding out the others. None: never wait."""
     spool_path: Path | None = None
     """Where groups wait while the API is unreachable (default runs/spool/NAME.jsonl)."""
     # inference
@@ -276,6 +280,8 @@ class BaseEnv:
 
     def __init__(self, config: EnvConfig | None = None):
         self.config = config or self.config_class()
+        if self.config.env_name is not None:
+            self.name = self.config.env_name
         self.stats = EnvStats()
         self.rng = random.Random(self.config.seed)
         self.policy_version: int | None = None

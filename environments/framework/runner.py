@@ -218,7 +218,12 @@ async def poll_status(env: Any, client: RolloutAPIClient) -> None:
     env.policy_version = status.get("policy_version", env.policy_version)
     if status.get("policy_model"):
         env.use_policy_model(status["policy_model"])
-    env.queued_groups = status.get("queue_size", env.queued_groups)
+    env_id = getattr(env, "env_id", None)
+    if env.config.max_queued_groups is not None and env_id is not None:
+        own = await client.env_status(env_id)  # this env's own groups in the queue
+        env.queued_groups = own.get("self_queue_size", env.queued_groups)
+    else:
+        env.queued_groups = status.get("queue_size", env.queued_groups)
 
 
 async def follow_status(env: Any, client: RolloutAPIClient, interval_s: float = 0.5) -> None:

@@ -118,9 +118,13 @@ class EnvSettings(_Section):
     @property
     def label(self) -> str:
         """The env's name as a file and process name (``openenv:http://h:1`` ->
-        ``openenv_http_h_1``, ``path/to/envs.py:MyEnv`` -> ``envs.py_MyEnv``)."""
-        where, _, cls = self.name.rpartition(":")
-        name = f"{Path(where).name}:{cls}" if where.endswith(".py") else self.name
+        ``openenv_http_h_1``, ``path/to/envs.py:MyEnv`` -> ``envs.py_MyEnv``); the
+        ``{port}`` and ``{host}`` placeholders of a server the run starts are left out
+        (``openenv:http://127.0.0.1:{port}`` -> ``openenv_http_127.0.0.1``), so the
+        label does not change when the port does."""
+        name = self.name.replace("{port}", "").replace("{host}", "host")
+        where, _, cls = name.rpartition(":")
+        name = f"{Path(where).name}:{cls}" if where.endswith(".py") else name
         return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
@@ -323,6 +327,15 @@ class RunConfig(_Section):
                   self.warm_start.settings)
             check("warm_start.train", "train", TrainConfig, self.warm_start.train,
                   model=self.model)
+
+    def groups_per_batch(self, env: EnvSettings) -> int:
+        """How many of ``env``'s groups one training batch holds: what ``lachesis run``
+        lets each env server queue ahead of the trainer (its ``max_queued_groups``)
+        unless the env's settings say otherwise."""
+        from trainer.config import TrainConfig
+
+        train = TrainConfig.model_validate({"model": self.model, **self.rl_train})
+        return max(1, train.batch_size // env_facts(env)["group_size"])
 
     def lockstep_groups(self) -> int:
         """Groups per policy version in a ``deterministic`` run: one trainer sync's."""

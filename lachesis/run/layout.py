@@ -229,7 +229,8 @@ def build_layout(config: RunConfig, model: str | None = None,
             env_yaml = configs / f"env-{label}.yaml"
             if kind == "atropos":
                 settings = {
-                    "env": {**(env.settings.get("env") or {}), "rollout_server_url": api_url,
+                    "env": {"max_batches_offpolicy": 1,  # paced: at most a batch ahead
+                            **(env.settings.get("env") or {}), "rollout_server_url": api_url,
                             "tokenizer_name": model, "use_wandb": False,
                             "inference_weight": env.weight / env.count},
                     "openai": {**(env.settings.get("openai") or {}),
@@ -238,8 +239,12 @@ def build_layout(config: RunConfig, model: str | None = None,
             else:
                 lockstep = {"seeded_sampling": True, "groups_per_policy_version":
                             config.lockstep_groups()} if config.deterministic else {}
+                # a name on a port the run picks would change at --resume: the label
+                stable = {"env_name": env.label} if env.server is not None and \
+                    env.name != name else {}
                 settings = {
-                    **env.settings, **lockstep, "api_url": api_url, "inference_servers": urls,
+                    "max_queued_groups": config.groups_per_batch(env),  # paced (a batch)
+                    **stable, **env.settings, **lockstep, "api_url": api_url, "inference_servers": urls,
                     "tokenizer": model, "env_weight": env.weight / env.count,
                     "jsonl_out": run_dir / "trajectories" / f"{label}.jsonl",
                     "spool_path": run_dir / "spool" / f"{label}.jsonl"}
