@@ -31,10 +31,14 @@ def load_env_class(name: str) -> type:
 def atropos_env_class(name: str) -> type | None:
     """The atroposlib ``BaseEnv`` subclass that ``name`` names (``package.module:Class``
     or ``path/to/file.py:Class``), or None when it names anything else. Such an env runs
-    its own serve loop (``Class.cli()``) against ``lachesis api``."""
+    its own serve loop (``Class.cli()``) against ``lachesis api``, with atroposlib's tool
+    call parsing working on this vLLM (:mod:`environments.inference.vllm_compat`)."""
+    from environments.inference import vllm_compat
+
     register_builtin_kinds()
     if name in registry.ENVIRONMENTS or name.partition(":")[0] in registry.env_kinds():
         return None
+    vllm_compat.install()  # before the env's module imports atroposlib
     try:
         target = registry.load_target(name)
     except registry.EnvNotFoundError:
