@@ -280,3 +280,48 @@ def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_
     assert group.env_id == 0
     [written] = read_groups(tmp_path / "groups.jsonl")
     assert [t.tokens for t in written.trajectories] == [t.tokens for t in group.trajectories]
+
+
+TOOL_ENV = '''
+from atroposlib.envs.base import BaseEnv
+
+
+class ToolEnv(BaseEnv):
+    name = "tool_env"
+'''
+
+PARSE_TOOL_CALL = '''
+import json, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    from lachesis.env_kinds import atropos_env_class
+    assert atropos_env_class(sys.argv[1]) is not None
+    from atroposlib.envs.server_handling.tool_call_translator import ToolCallTranslator
+    from transformers import AutoTokenizer
+    translator = ToolCallTranslator(AutoTokenizer.from_pretrained(sys.argv[2]), "hermes")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    content, calls, finish = translator.parse_model_output(
+        'Adding. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+        tools=tools)
+print(json.dumps({"finish": finish, "calls": [[c.function.name, json.loads(c.function.arguments)]
+                                              for c in calls or []],
+                  "warnings": [str(w.message) for w in caught]}))
+'''
+
+
+def test_an_atropos_envs_hermes_tool_call_is_parsed_in_the_projects_venv(tiny_model_dir,
+                                                                        tmp_path):
+    """atroposlib 0.4.0 imports a vLLM module that vLLM 0.32 moved; loaded by
+    ``lachesis env ...`` / ``lachesis run``, an atroposlib env gets its tool calls parsed
+    by vLLM's hermes parser, and no "vLLM is not installed" warning."""
+    env_file = tmp_path / "tool_env.py"
+    env_file.write_text(TOOL_ENV)
+    done = subprocess.run([sys.executable, "-c", PARSE_TOOL_CALL, f"{env_file}:ToolEnv",
+                           str(tiny_model_dir)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["finish"] == "tool_calls"
+    assert result["calls"] == [["add", {"a": 2, "b": 3}]]
+    assert not [w for w in result["warnings"] if "not installed" in w], result["warnings"]
