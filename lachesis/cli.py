@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -73,15 +74,24 @@ def _run_atropos_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def first_sentence(text: str) -> str:
+    """The first sentence of a docstring, whatever its line breaks: up to the first
+    period followed by a capital, a backquote or the end (``e.g. a`` does not end one)."""
+    text = " ".join(text.split())
+    match = re.match(r"(.+?(?<!e\.g)(?<!i\.e)[.!?])(?=\s+[A-Z`(]|$)", text)
+    return match.group(1) if match else text
+
+
 def _config_flags(parser: argparse.ArgumentParser, config_class) -> list[str]:
     """One ``--flag`` per config field; values are parsed as YAML (``4``, ``true``, ``[a, b]``);
     a list field also takes ``a,b``."""
     names = []
     group = parser.add_argument_group(f"settings ({config_class.__name__})")
     for name, field in config_class.model_fields.items():
-        doc = (field.description or "").split("\n")[0]
+        doc = first_sentence(field.description or "").replace("%", "%%")
+        default = repr(field.get_default(call_default_factory=True)).replace("%", "%%")
         group.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
-                           help=f"{doc} (default: {field.get_default(call_default_factory=True)!r})")
+                           help=f"{doc} (default: {default})".lstrip())
         names.append(name)
     return names
 

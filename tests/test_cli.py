@@ -54,3 +54,22 @@ def test_env_process_help_through_the_real_command():
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "usage: lachesis env process NAME" in done.stdout and "--groups" in done.stdout
+
+
+def test_env_settings_help_shows_each_settings_whole_first_sentence(capsys):
+    """A setting's help is its docstring's first sentence, however it wraps in the
+    source, up to the default (not cut at the docstring's first line)."""
+    from environments.envs.arithmetic_tool import ArithmeticToolConfig
+    from lachesis.cli import first_sentence
+
+    for action in ("process", "serve"):
+        text = " ".join(help_of(["env", action, "arithmetic_tool", "--help"], capsys).split())
+        for name, field in ArithmeticToolConfig.model_fields.items():
+            if field.description:
+                sentence = " ".join(first_sentence(field.description).split())
+                assert f"{sentence} (default: " in text, name
+        assert ("Stop with an error when this many groups in a row fail (a broken setup, e.g. "
+                "a prompt longer than max_token_length, would otherwise retry forever). "
+                "(default: 20)") in text
+    assert first_sentence("Extra sampling (e.g. ``top_k``). ``None``: off.") == \
+        "Extra sampling (e.g. ``top_k``)."
