@@ -339,3 +339,19 @@ def test_ports_handed_out_are_below_the_ephemeral_range_and_never_twice():
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == 200
     assert all(20000 <= port < 32768 for port in ports)
+
+
+def test_plan_warns_of_constrained_sampling(tmp_path):
+    """Structured outputs make vLLM's logprobs those of the constrained distribution:
+    --plan says so (the run still starts; the step-0 alignment check names the cause)."""
+    regex = {"structured_outputs": {"regex": "[0-9]+"}}
+    run = config(tmp_path, envs=[{"name": "arithmetic_tool",
+                                  "settings": {**ENV, "sampling_extra": regex}}])
+    plan = make_plan(run, devices_present=8)
+    assert plan.warnings == [
+        "envs[0] (arithmetic_tool): sampling_extra.structured_outputs constrains sampling; "
+        "vLLM's logprobs are then of the constrained distribution, not the policy's, so the "
+        "trainer's step-0 alignment check will fail (tokens, masks or the model do not line "
+        "up) and its importance ratios are off: sample without it"]
+    assert f"warning: {plan.warnings[0]}" in format_plan(plan)
+    assert make_plan(config(tmp_path), devices_present=8).warnings == []

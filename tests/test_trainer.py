@@ -348,6 +348,7 @@ def test_check_command_passes_on_real_rollouts_and_catches_an_off_by_one(vllm_se
             writer.append(group)
     bad = check(shifted)
     assert bad.returncode == 1 and "AlignmentError" in bad.stderr and "do not line up" in bad.stderr
+    assert "constrained decoding" in bad.stderr  # the likely cause, when an env uses it
 
 
 def test_lora_settings_are_checked_with_the_key_named(tiny_model_dir):

@@ -466,7 +466,10 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     raise AlignmentError(
                         f"trainer and vLLM logprobs differ by {diff:.3g} on average "
                         f"(tolerance {config.alignment_tolerance}): tokens, masks or the "
-                        "model do not line up")
+                        "model do not line up. If the env samples with constrained decoding "
+                        "(structured outputs: a regex, JSON schema, grammar or choice), that "
+                        "is the likely cause: vLLM's logprobs are then of the constrained "
+                        "distribution, not the policy's")
                 if check_only:
                     return summary
             # 4. forward/backward, optimizer step

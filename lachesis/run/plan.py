@@ -38,6 +38,31 @@ class Plan:
     """The model RL starts from (the warm start's result when there is one)."""
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What will run but likely not as meant (printed, does not stop the run)."""
+
+
+CONSTRAINED_SAMPLING = ("structured_outputs", "guided_regex", "guided_json", "guided_grammar",
+                        "guided_choice", "response_format")
+"""Sampling parameters that make vLLM sample from a constrained distribution (structured
+outputs: a regex, JSON schema, grammar or choice)."""
+
+
+def constrained_sampling_warnings(config: RunConfig) -> list[str]:
+    """Envs that sample with constrained decoding: vLLM's logprobs are then those of the
+    constrained distribution, not the policy's, so the trainer's step-0 alignment check
+    fails and the importance ratios are off."""
+    warnings = []
+    for i, env in enumerate(config.envs):
+        extra = env.settings.get("sampling_extra") or {}
+        keys = [k for k in CONSTRAINED_SAMPLING if k in extra]
+        if keys:
+            warnings.append(
+                f"envs[{i}] ({env.name}): sampling_extra.{keys[0]} constrains sampling; "
+                "vLLM's logprobs are then of the constrained distribution, not the policy's, "
+                "so the trainer's step-0 alignment check will fail (tokens, masks or the "
+                "model do not line up) and its importance ratios are off: sample without it")
+    return warnings
 
 
 PlanCheck = Callable[[Plan], list[str]]
@@ -151,6 +176,7 @@ def make_plan(config: RunConfig, *, devices_present: int | None = None,
     plan.problems += tokenizer_problems(config.model, model)
     for check in PLAN_CHECKS:
         plan.problems += check(plan)
+    plan.warnings += constrained_sampling_warnings(config)
     if config.build_tiny_model and not Path(config.model).exists():
         plan.notes.append(f"the tiny model is built in {config.model} at start")
     if config.warm_start is not None and not Path(model).exists():
@@ -192,6 +218,7 @@ def format_plan(plan: Plan) -> str:
     lines = [f"plan of run {config.name!r} (nothing started); everything under "
              f"{config.run_dir}/", f"model: {plan.model}"]
     lines += [f"note: {n}" for n in plan.notes]
+    lines += [f"warning: {w}" for w in plan.warnings]
     lines.append("")
     lines.append("processes:" if plan.layout is not None else
                  "processes: cannot be laid out (see problems)")
