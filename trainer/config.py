@@ -187,8 +187,14 @@ class TrainConfig(BaseModel):
     run_dir: Path = Path("runs/train")
     """Metrics (metrics.jsonl, TensorBoard), checkpoints and synced weights go here."""
     checkpoint_every: int = Field(default=50, ge=1)
+    """A crash costs at most the steps since the last checkpoint (docs/fault-tolerance.md)."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Keep the newest N checkpoints (older ones are deleted). Two: a checkpoint damaged
+    by a crash mid-write still leaves the one before it to resume from."""
     resume: bool = True
-    """Resume from the latest checkpoint in run_dir when there is one."""
+    """Resume from the latest checkpoint in run_dir when there is one (one that does not
+    verify is skipped for the one before it); the rollout API is told (``POST /resume``)
+    and the vLLM servers get the checkpoint's weights before the first step."""
     tensorboard: bool = True
     wandb: bool = False
     """Also log to Weights & Biases (project "lachesis") when the package is installed."""

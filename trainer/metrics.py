@@ -41,10 +41,43 @@ class Progress:
             self.bar.close()
 
 
+def truncate_metrics(path: Path, last_step: int, last_line: Path | None = None) -> int:
+    """Drop the lines of steps after ``last_step`` (a resumed run trains them again: one
+    line per step stays true); returns how many were dropped. ``last_line``: a file
+    holding step ``last_step``'s line (the checkpoint's), added when a crash between the
+    checkpoint and the line lost it."""
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    kept, steps = [], set()
+    for line in lines:
+        try:
+            step = json.loads(line).get("step", 0)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if step <= last_step:
+            kept.append(line)
+            steps.add(step)
+    if last_step > 0 and last_step not in steps and last_line is not None \
+            and last_line.exists():
+        kept.append(last_line.read_text().strip() + "\n")
+    if kept != lines:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+    return len(lines) - len(kept)
+
+
 class Metrics:
     def __init__(self, run_dir: Path, tensorboard: bool, wandb: bool = False,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, start_step: int | None = None,
+                 last_line: Path | None = None):
+        """``start_step``: the step a resumed run starts after; later lines are dropped
+        (``last_line``: see :func:`truncate_metrics`)."""
         run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step is not None:
+            dropped = truncate_metrics(run_dir / "metrics.jsonl", start_step, last_line)
+            if dropped:
+                log.info("dropped %d metrics lines of steps after %d (trained again)",
+                         dropped, start_step)
         self.file = open(run_dir / "metrics.jsonl", "a")
         self.writer = None
         self.wandb = None
@@ -60,7 +93,9 @@ class Metrics:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"),
+                                            purge_step=None if start_step is None
+                                            else start_step + 1)
             except ImportError:
                 log.warning("tensorboard is not installed; metrics go to metrics.jsonl only")
 

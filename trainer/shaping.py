@@ -135,7 +135,7 @@ class DynamicSampling:
         self.parts[id(batch)] = parts
         return batch
 
-    async def finish(self, batch: Batch) -> None:
+    async def finish(self, batch: Batch, step: int | None = None) -> None:
         """Finish every batch taken for ``batch``, each with the groups of it that the
         step set aside (dead letters)."""
         parts = self.parts.pop(id(batch), [])
@@ -143,10 +143,19 @@ class DynamicSampling:
             ids = {g.group_id for g in part.groups}
             extra = [r for r in batch.rejected if r.group_id in ids and r not in part.rejected]
             part.rejected = [*part.rejected, *extra]
-            await self.source.finish(part)
+            await self.source.finish(part, step)
 
     async def publish_version(self, version: int, model: str | None = None) -> None:
         await self.source.publish_version(version, model)
+
+    async def resume(self, version: int, model: str | None = None) -> dict[str, Any]:
+        return await self.source.resume(version, model)
+
+    async def checkpointed(self, oldest_step: int) -> None:
+        await self.source.checkpointed(oldest_step)
+
+    async def policy_version(self) -> int | None:
+        return await self.source.policy_version()
 
     async def close(self) -> None:
         await self.source.close()

@@ -8,7 +8,9 @@
 * :class:`SFTBatches`: supervised examples (messages or groups), already as tensors.
 
 The loop calls ``next()`` for a batch, ``finish(batch)`` on rank 0 once the step is done,
-``publish_version(v)`` after new weights reach vLLM, and ``close()`` at the end.
+``publish_version(v)`` after new weights reach vLLM, ``resume(v)`` when it (re)started
+from the checkpoint of step ``v`` (before the first step), ``checkpointed(oldest)``
+after a checkpoint, and ``close()`` at the end.
 ``position`` is what a checkpoint records to resume the data where it stopped.
 """
 
@@ -48,9 +50,15 @@ class BatchSource(Protocol):
 
     async def next(self) -> Batch: ...
 
-    async def finish(self, batch: Batch) -> None: ...
+    async def finish(self, batch: Batch, step: int | None = None) -> None: ...
 
     async def publish_version(self, version: int, model: str | None = None) -> None: ...
+
+    async def resume(self, version: int, model: str | None = None) -> dict[str, Any]: ...
+
+    async def policy_version(self) -> int | None: ...
+
+    async def checkpointed(self, oldest_step: int) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -60,10 +68,19 @@ class _Offline:
 
     position = 0
 
-    async def finish(self, batch: Batch) -> None:
+    async def finish(self, batch: Batch, step: int | None = None) -> None:
         pass
 
     async def publish_version(self, version: int, model: str | None = None) -> None:
+        pass
+
+    async def resume(self, version: int, model: str | None = None) -> dict[str, Any]:
+        return {}
+
+    async def policy_version(self) -> int | None:
+        return None
+
+    async def checkpointed(self, oldest_step: int) -> None:
         pass
 
     async def close(self) -> None:
@@ -148,12 +165,23 @@ class APIBatches:
             batch = shared[0]
         return batch
 
-    async def finish(self, batch: Batch) -> None:
+    async def finish(self, batch: Batch, step: int | None = None) -> None:
+        """Acknowledge the batch's lease; ``step``: the step that trained it (the API
+        keeps its groups until a checkpoint covers it)."""
         if batch.lease_id is not None:
-            await self.client.ack(batch.lease_id, batch.rejected)
+            await self.client.ack(batch.lease_id, batch.rejected, step=step)
 
     async def publish_version(self, version: int, model: str | None = None) -> None:
         await self.client.set_policy_version(version, model)
+
+    async def policy_version(self) -> int | None:
+        return (await self.client.status()).get("policy_version")
+
+    async def resume(self, version: int, model: str | None = None) -> dict[str, Any]:
+        return await self.client.resume(version, model)
+
+    async def checkpointed(self, oldest_step: int) -> None:
+        await self.client.checkpoint(oldest_step)
 
     async def close(self) -> None:
         await self.client.close()

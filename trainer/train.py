@@ -21,6 +21,12 @@ One step:
    disk, in memory, or as a LoRA adapter: ``weight_sync``) and post the new policy
    version (and the model name to request, with LoRA) to the rollout API;
 6. log metrics (JSONL, TensorBoard), checkpoint every ``checkpoint_every`` steps.
+
+Resuming (the default when ``run_dir`` holds a checkpoint): the newest checkpoint that
+verifies is loaded, what was written for later steps is removed, the vLLM servers get its
+weights and the rollout API is told (``POST /resume``) before the first step: it releases
+the dead trainer's leases and queues again the groups that later steps trained on (their
+update died with the crash). A crash costs at most the steps since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -46,7 +52,15 @@ from trainer.batch import (
     segment_samples,
     turn_prefix_samples,
 )
-from trainer.checkpoint import latest_checkpoint, restore, save_checkpoint
+from trainer.checkpoint import (
+    STEP_METRICS,
+    checkpoint_step,
+    complete_checkpoints,
+    discard_after,
+    latest_checkpoint,
+    restore,
+    save_checkpoint,
+)
 from trainer.config import TrainConfig
 from trainer.distributed import (
     full_state_dict,
@@ -366,6 +380,36 @@ _PLACE = re.compile(r"^group \d+ \([^)]*\)( sequence \d+)?: ")
 sequence 1: ``), dropped to count the reasons."""
 
 
+async def roll_back_rollouts(source, servers: PolicyServers | None, model, tokenizer,
+                             step: int, sharded: bool, leader: bool,
+                             world: int) -> dict[str, Any]:
+    """Before the first step of a (re)started trainer: when the rollout API is ahead of
+    ``step`` (the checkpoint it resumed from), put that checkpoint's weights into the vLLM
+    servers, then tell the API (``POST /resume``), which rolls its policy version back,
+    releases the dead trainer's leases and queues again the groups trained after
+    ``step``. Weights first: a rollout stamped with the old version may be sampled from
+    the checkpoint's weights (counted as more off-policy than it is), never the reverse."""
+    ahead = [leader and (step > 0 or (await source.policy_version() or 0) > 0)]
+    if world > 1:
+        dist.broadcast_object_list(ahead, src=0)
+    if not ahead[0]:
+        return {}
+    weights = full_state_dict(model, sharded) if sharded and servers is not None else None
+    if not leader:
+        return {}
+    values = {}
+    if servers is not None:
+        values = await servers.publish(model, tokenizer, step, weights)
+    out = await source.resume(step, servers.model_name if servers is not None else None)
+    log.info("resumed from step %d: the vLLM servers serve its weights; the rollout API "
+             "released %s leases (%s groups), queued again %s groups trained after it, "
+             "kept %s groups sampled by lost versions", step, out.get("released_leases"),
+             out.get("released_groups"), out.get("requeued_groups"),
+             out.get("kept_lost_policy_groups"))
+    return {"resumed_from_step": step, **{f"resume_{k}": v for k, v in out.items()},
+            **{f"resume_{k}": v for k, v in values.items()}}
+
+
 # --------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------
@@ -409,6 +453,10 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                                   eps=config.adam_eps, weight_decay=config.weight_decay)
     start_step, position = restore(checkpoint, model, optimizer, sharded) if checkpoint \
         else (0, 0)
+    if config.resume and leader:  # steps after the checkpoint are trained again
+        for path in discard_after(run_dir, start_step):
+            log.info("removed %s (written after step %d, which is where training resumes)",
+                     path, start_step)
     warmup = config.warmup_steps
     ref_model = None
     if config.kl_coef > 0 and rl:
@@ -425,13 +473,18 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     servers = PolicyServers(config, run_dir, check_sync=config.check_sync and not sharded) \
         if serves and leader else None
     sharded_check = serves and sharded and config.check_sync
-    metrics = Metrics(run_dir, config.tensorboard, config.wandb,
-                      config.model_dump(mode="json")) if leader else None
+    metrics = Metrics(run_dir, config.tensorboard, config.wandb, config.model_dump(mode="json"),
+                      start_step=start_step if config.resume else None,
+                      last_line=checkpoint / STEP_METRICS if checkpoint else None) \
+        if leader else None
     progress = Progress(start_step, config.steps) if leader else None
     summary: dict[str, Any] = {"start_step": start_step}
     try:
         if servers is not None:
             await servers.start()
+        if rl and config.resume:
+            summary.update(await roll_back_rollouts(source, servers, model, tokenizer,
+                                                    start_step, sharded, leader, world))
         for step in range(start_step, config.steps):
             started = time.monotonic()
             clock = StepClock()
@@ -493,7 +546,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             # 5. new weights into vLLM (the leader acks, syncs, logs and checkpoints), the
             # check that they arrived, then the new version to the rollout API
             if leader:
-                await source.finish(batch)
+                await source.finish(batch, step=version)
             with clock("sync"):
                 if servers is not None:
                     values.update(await servers.check())
@@ -513,7 +566,12 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             if checkpoints:
                 with clock("checkpoint"):
                     save_checkpoint(run_dir, version, model, optim, tokenizer,
-                                    source.position, weights)
+                                    source.position, weights, keep=config.keep_checkpoints,
+                                    metrics=values)
+                    # groups trained up to the oldest kept checkpoint are never trained
+                    # again: the API may forget them
+                    await source.checkpointed(
+                        checkpoint_step(complete_checkpoints(run_dir)[0]))
             values.update(clock.metrics())
             metrics.log(version, values)
             progress.update(version, values)

@@ -174,12 +174,29 @@ class RolloutAPIClient:
         return LeasedBatch(data["lease_id"], data["step"], data.get("policy_version"),
                            groups, rejected)
 
-    async def ack(self, lease_id: str,
-                  dead_letters: list[RejectedGroup] | None = None) -> dict[str, Any]:
+    async def ack(self, lease_id: str, dead_letters: list[RejectedGroup] | None = None,
+                  step: int | None = None) -> dict[str, Any]:
         """Finish a lease; ``dead_letters``: its groups that could not be trained on (set
-        aside by the API with their reasons, never redelivered)."""
-        return await self.request("POST", "/ack", {"lease_id": lease_id, "dead_letters": [
+        aside by the API with their reasons, never redelivered); ``step``: the trainer
+        step that trained the others (kept until :meth:`checkpoint` covers it)."""
+        return await self.request("POST", "/ack", {"lease_id": lease_id, "step": step,
+                                                   "dead_letters": [
             {"group_id": r.group_id, "reason": r.reason} for r in dead_letters or []]})
+
+    async def resume(self, version: int, model: str | None = None,
+                     trainer_id: str | None = None) -> dict[str, Any]:
+        """The trainer restarted from its checkpoint of step ``version`` (``POST
+        /resume``): leases released, groups trained after it queued again, the policy
+        version rolled back."""
+        return await self.request("POST", "/resume", {"version": version, "model": model,
+                                                      "trainer_id": trainer_id})
+
+    async def checkpoint(self, oldest_step: int) -> dict[str, Any]:
+        """The oldest checkpoint the trainer may still resume from is ``oldest_step``."""
+        return await self.request("POST", "/checkpoint", {"oldest_step": oldest_step})
+
+    async def accounting(self) -> dict[str, Any]:
+        return await self.request("GET", "/accounting")
 
     async def dead_letters(self, limit: int = 100) -> dict[str, Any]:
         """``{"total": n, "dead_letters": [{group_id, env_id, reason, trainer, at, group}]}``."""

@@ -3,9 +3,13 @@
 Every group the API accepts is a row of ``groups``, committed before the push is
 answered. Its ``state`` moves ``queued -> leased -> done`` (or ``dropped``, with a
 reason, or ``dead_letter``: a group the trainer could not train on, set aside with the
-reason in ``dead_letters``). The JSON body is kept until the group is done or dropped,
-then cleared (a dead letter keeps it, to be inspected); the row stays so that a retried
-push with the same ``group_id`` remains a no-op. Leases, env
+reason in ``dead_letters``). A trained group records the trainer step that trained it
+(``trained_step``) and keeps its JSON body until the trainer reports a checkpoint that
+holds that step's update (``release_trained``): a trainer that resumes from an older
+checkpoint gets those groups again (``resume``), because the update they went into was
+lost with the crash. A dropped group's body is cleared at once, a dead letter keeps it
+(to be inspected); the row stays so that a retried push with the same ``group_id``
+remains a no-op. Leases, env
 registrations, the trainer registration, the policy version and the counters live in the
 same file, so a restarted server resumes exactly where it stopped.
 
@@ -22,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +44,9 @@ CREATE TABLE IF NOT EXISTS groups (
     lease_id TEXT,
     drop_reason TEXT,
     received_at REAL NOT NULL,
-    body BLOB
+    body BLOB,
+    trained_step INTEGER,
+    requeues INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS groups_live ON groups(state) WHERE state IN ('queued', 'leased');
 CREATE TABLE IF NOT EXISTS leases (
@@ -84,6 +90,21 @@ class DeadLetter:
 
 
 @dataclass
+class ResumeResult:
+    released: list[int] = field(default_factory=list)
+    """Groups that were leased (by the dead trainer), back in the queue."""
+    released_leases: int = 0
+    requeued: list[int] = field(default_factory=list)
+    """Groups trained after the resumed step (their update was lost), queued again."""
+    unrecoverable: list[int] = field(default_factory=list)
+    """Groups trained after the resumed step whose body was already released: dropped."""
+    reflected: dict[int, int] = field(default_factory=dict)
+    """Queued groups sampled by a lost policy version: seq -> the version staleness is
+    now measured from."""
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
 class LeaseRow:
     lease_id: str
     trainer: str | None
@@ -116,6 +137,13 @@ class QueueDB:
             self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute(f"PRAGMA synchronous={synchronous}")
         self.conn.executescript(SCHEMA)
+        columns = {row[1] for row in self.conn.execute("PRAGMA table_info(groups)")}
+        for column, kind in (("trained_step", "INTEGER"),
+                             ("requeues", "INTEGER NOT NULL DEFAULT 0")):
+            if column not in columns:  # a queue written before these columns existed
+                self.conn.execute(f"ALTER TABLE groups ADD COLUMN {column} {kind}")
+        self.conn.execute("CREATE INDEX IF NOT EXISTS groups_trained ON groups(trained_step) "
+                          "WHERE body IS NOT NULL AND state = 'done'")
 
     def close(self) -> None:
         self.conn.close()
@@ -203,9 +231,11 @@ class QueueDB:
 
     def finish_lease(self, lease_id: str, done: bool, kv=None, counts=None,
                      dead_letters: dict[int, str] | None = None,
-                     trainer: str | None = None) -> None:
+                     trainer: str | None = None, trained_step: int | None = None) -> None:
         """Acknowledge a lease (its groups are done, except ``dead_letters``: seq -> reason,
-        set aside with their bodies) or give its groups back to the queue."""
+        set aside with their bodies) or give its groups back to the queue. A done group
+        keeps its body, with the ``trained_step`` that trained it, until
+        :meth:`release_trained` (without a step it is cleared at once)."""
         with self._transaction(kv, counts) as cur:
             if done and dead_letters:
                 now = time.time()
@@ -215,13 +245,94 @@ class QueueDB:
                 cur.executemany("INSERT OR REPLACE INTO dead_letters VALUES (?, ?, ?, ?)",
                                 [(seq, reason, trainer, now)
                                  for seq, reason in dead_letters.items()])
-            if done:
+            if done and trained_step is None:
                 cur.execute("UPDATE groups SET state='done', body=NULL, lease_id=NULL "
                             "WHERE lease_id=?", (lease_id,))
+            elif done:
+                cur.execute("UPDATE groups SET state='done', trained_step=?, lease_id=NULL "
+                            "WHERE lease_id=?", (trained_step, lease_id))
             else:
                 cur.execute("UPDATE groups SET state='queued', lease_id=NULL "
                             "WHERE lease_id=?", (lease_id,))
             cur.execute("DELETE FROM leases WHERE lease_id=?", (lease_id,))
+
+    def release_trained(self, up_to_step: int, kv=None, counts=None) -> int:
+        """Clear the bodies of groups trained at steps ``<= up_to_step`` (a checkpoint the
+        trainer can no longer resume from before holds their update); returns how many."""
+        with self._transaction(kv, counts) as cur:
+            cur.execute("UPDATE groups SET body=NULL WHERE state='done' AND body IS NOT NULL "
+                        "AND trained_step <= ?", (up_to_step,))
+            return cur.rowcount
+
+    def resume(self, version: int, kv=None, counts=None) -> ResumeResult:
+        """The trainer resumed from the checkpoint of step ``version``, in one transaction:
+        every lease is given back to the queue (its trainer is dead); groups trained at
+        steps after ``version`` go back to the queue (their update was lost), oldest
+        first by their original arrival; queued groups sampled by a policy version above
+        ``version`` (weights that no longer exist) are kept, their staleness measured
+        from ``2 * version - v`` (see :meth:`RolloutAPI.resume`)."""
+        result = ResumeResult()
+        counts = Counter(counts or {})
+        with self._transaction(kv, counts) as cur:
+            result.released = [seq for (seq,) in cur.execute(
+                "SELECT seq FROM groups WHERE state='leased'")]
+            result.released_leases = cur.execute("DELETE FROM leases").rowcount
+            cur.execute("UPDATE groups SET state='queued', lease_id=NULL WHERE state='leased'")
+            trained_after = cur.execute(
+                "SELECT seq, body IS NOT NULL FROM groups WHERE state='done' "
+                "AND trained_step > ?", (version,)).fetchall()
+            result.requeued = [seq for seq, has_body in trained_after if has_body]
+            result.unrecoverable = [seq for seq, has_body in trained_after if not has_body]
+            cur.executemany("UPDATE groups SET state='queued', trained_step=NULL, "
+                            "requeues=requeues+1 WHERE seq=?",
+                            [(s,) for s in result.requeued])
+            result.reflected = dict(cur.execute(
+                "SELECT seq, 2 * ? - policy_version FROM groups WHERE state='queued' "
+                "AND policy_version > ?", (version, version)).fetchall())
+            cur.executemany("UPDATE groups SET policy_version=? WHERE seq=?",
+                            [(v, s) for s, v in result.reflected.items()])
+            if result.unrecoverable:  # trained, then the checkpoint holding it was lost
+                cur.executemany("UPDATE groups SET state='dropped', "
+                                "drop_reason='update_lost_body_released' WHERE seq=?",
+                                [(s,) for s in result.unrecoverable])
+            result.counts = Counter({
+                "resumes": 1, "released_leases": result.released_leases,
+                "released_groups": len(result.released),
+                "requeued_lost_update_groups": len(result.requeued),
+                "kept_lost_policy_groups": len(result.reflected),
+                "dropped_groups_update_lost_body_released": len(result.unrecoverable)})
+            counts.update(result.counts)  # committed by _transaction on the way out
+        return result
+
+    def queued_groups(self, seqs: Sequence[int]) -> list[QueuedGroup]:
+        placeholders = ",".join("?" * len(seqs))
+        return [QueuedGroup(*row) for row in self.conn.execute(
+            "SELECT seq, group_id, env_id, n_sequences, policy_version FROM groups "
+            f"WHERE seq IN ({placeholders}) ORDER BY seq", list(seqs))]
+
+    def accounting(self) -> dict[str, Any]:
+        """Every group row by state (and drop reason), with the groups trained again after
+        a resume; ``received`` is the sum of the states."""
+        by_state = dict(self.conn.execute("SELECT state, COUNT(*) FROM groups GROUP BY state"))
+        dropped = dict(self.conn.execute(
+            "SELECT drop_reason, COUNT(*) FROM groups WHERE state='dropped' "
+            "GROUP BY drop_reason"))
+        set_aside = dict(self.conn.execute(
+            "SELECT reason, COUNT(*) FROM dead_letters GROUP BY reason"))
+        (retrained,) = self.conn.execute(
+            "SELECT COUNT(*) FROM groups WHERE state='done' AND requeues > 0").fetchone()
+        (requeues,) = self.conn.execute("SELECT COALESCE(SUM(requeues), 0) FROM groups"
+                                        ).fetchone()
+        return {"received": sum(by_state.values()),
+                "trained": by_state.get("done", 0),
+                "trained_again_after_resume": retrained,
+                "lost_updates_requeued": requeues,
+                "set_aside": by_state.get("dead_letter", 0),
+                "set_aside_reasons": set_aside,
+                "dropped": by_state.get("dropped", 0),
+                "dropped_reasons": dropped,
+                "queued": by_state.get("queued", 0),
+                "leased": by_state.get("leased", 0)}
 
     def dead_letters(self, limit: int) -> tuple[int, list[DeadLetter]]:
         """How many groups were set aside, and the newest ``limit`` of them."""

@@ -66,6 +66,31 @@ class Ack(BaseModel):
     lease_id: str
     dead_letters: list[DeadLetterRequest] = Field(default_factory=list)
     """Groups of the lease that could not be trained on; the rest were trained."""
+    step: int | None = Field(default=None, ge=0, le=MAX_INT)
+    """The trainer step whose update holds the lease's groups. Given, the API keeps their
+    bodies until a checkpoint covers that step (``POST /checkpoint``), so a trainer that
+    resumes from an older checkpoint trains them again (``POST /resume``); not given,
+    they are forgotten at once."""
+
+
+class Resume(BaseModel):
+    """``POST /resume``: the trainer (re)started from its checkpoint of step ``version``."""
+
+    version: int = Field(ge=0, le=MAX_INT)
+    """The step of the checkpoint the trainer resumed from: the policy version the
+    inference servers now serve."""
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    """The model name that version is served under (a LoRA adapter), as in
+    ``POST /policy_version``."""
+    trainer_id: str | None = None
+
+
+class Checkpointed(BaseModel):
+    """``POST /checkpoint``: the oldest checkpoint the trainer may still resume from."""
+
+    oldest_step: int = Field(ge=0, le=MAX_INT)
+    """Groups trained at this step or before are in every checkpoint a resume can
+    start from: their bodies are released."""
 
 
 class PolicyVersion(BaseModel):

@@ -34,7 +34,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
 import orjson
@@ -46,12 +46,14 @@ from environments.api.queue_db import LeaseRow, QueueDB
 from environments.api.schemas import (
     Ack,
     APIConfig,
+    Checkpointed,
     EnvIdentifier,
     LeaseId,
     LeaseRequest,
     PolicyVersion,
     RegisterEnv,
     Registration,
+    Resume,
 )
 from environments.api.wire import (
     AcceptedGroup,
@@ -127,6 +129,8 @@ class RolloutAPI:
         self.step: int = loaded.kv.get("step", 0)
         self.policy_version: int | None = loaded.kv.get("policy_version")
         self.policy_model: str | None = loaded.kv.get("policy_model")
+        self.resumed_from: int | None = loaded.kv.get("resumed_from")
+        """The version the trainer last resumed from (None: it never resumed)."""
         self.counters: Counter[str] = Counter(loaded.counters)
         self._unsaved_counts: Counter[str] = Counter()  # rejections, saved with the next write
         self._pending_pushes: list[tuple[list[tuple[AcceptedGroup, str | None]], asyncio.Future]] = []
@@ -184,8 +188,23 @@ class RolloutAPI:
     def _drop_reason(self, group: AcceptedGroup) -> str | None:
         return "stale" if self._is_stale(group.policy_version) else None
 
+    def _from_lost_policy(self, group: AcceptedGroup) -> AcceptedGroup:
+        """A group stamped with a version above the current one was sampled (before a
+        resume) by weights that no longer exist: kept, its staleness measured from
+        ``2 * V - v`` (V: the version the trainer resumed from), its distance in steps
+        from the resumed policy (see :meth:`resume`)."""
+        resumed = self.resumed_from
+        v = group.policy_version
+        if resumed is None or v is None or self.policy_version is None \
+                or v <= self.policy_version:
+            return group
+        self.counters["kept_lost_policy_groups"] += 1
+        self._unsaved_counts["kept_lost_policy_groups"] += 1
+        return replace(group, policy_version=2 * resumed - v)
+
     async def store_groups(self, groups: list[AcceptedGroup]) -> list[dict[str, Any]]:
         """Commit groups (with concurrent pushes, in one transaction) and queue them."""
+        groups = [self._from_lost_policy(g) for g in groups]
         decided = [(g, self._drop_reason(g)) for g in groups]
         future = asyncio.get_running_loop().create_future()
         self._pending_pushes.append((decided, future))
@@ -322,9 +341,11 @@ class RolloutAPI:
         self.leases[lease.lease_id] = lease
         return lease, bodies
 
-    async def ack(self, lease_id: str, dead_letters: dict[str, str] | None = None) -> None:
+    async def ack(self, lease_id: str, dead_letters: dict[str, str] | None = None,
+                  step: int | None = None) -> None:
         """Finish a lease: its groups are done, except ``dead_letters`` (group id ->
-        reason), which are set aside with their bodies and never redelivered."""
+        reason), which are set aside with their bodies and never redelivered. ``step``:
+        the trainer step that trained them (kept until a checkpoint covers it)."""
         if lease_id in self._recent_acks:  # a retried ack whose answer was lost
             return
         lease = self.leases.get(lease_id)
@@ -348,7 +369,7 @@ class RolloutAPI:
         n_dead = sum(by_id[g].n_sequences for g in dead_letters)
         try:
             finish = functools.partial(self.db.finish_lease, dead_letters=dead,
-                                       trainer=lease.trainer)
+                                       trainer=lease.trainer, trained_step=step)
             await self._write(finish, lease_id, True, kv={"step": self.step + 1},
                               counts={"acked_leases": 1,
                                       "acked_groups": len(lease.groups) - len(dead),
@@ -362,12 +383,57 @@ class RolloutAPI:
         if len(self._recent_acks) > 10_000:
             self._recent_acks.pop(next(iter(self._recent_acks)))
 
+    async def resume(self, version: int, model: str | None, trainer: str | None
+                     ) -> dict[str, Any]:
+        """The trainer restarted from its checkpoint of step ``version``; what happened
+        after that step is undone here, in one transaction:
+
+        * every lease is released at once (its trainer is dead; one trainer per API),
+          its groups queued again, not after ``lease_timeout_s``;
+        * groups trained at steps after ``version`` are queued again: the update they
+          went into died with the trainer (their bodies are kept until a checkpoint
+          covers their step, see ``POST /checkpoint``);
+        * the policy version (and step) go back to ``version``;
+        * queued groups sampled by versions above ``version`` came from weights that no
+          longer exist. They are kept: each trajectory carries the behaviour logprobs
+          it was sampled with, so the importance ratio against the trainer's policy is
+          exact whichever weights produced it; only how far off-policy it is changes.
+          Its staleness is measured from ``2 * version - v``, its distance in optimizer
+          steps from the resumed policy (back to the fork at ``version``, then up), so
+          ``max_staleness`` bounds it like any other group's.
+        """
+        kv = {"policy_version": version, "policy_model": model, "step": version,
+              "resumed_from": version}
+        result = await self._write(self.db.resume, version, kv=kv)
+        self.counters.update(result.counts)
+        by_seq = {g.seq: g for lease in self.leases.values() for g in lease.groups}
+        self.leases = {}
+        back = [by_seq[s] for s in result.released if s in by_seq]
+        requeued = await self._in_db_thread(self.db.queued_groups, result.requeued)
+        self._requeue(back + requeued)
+        for seq, effective in result.reflected.items():
+            if seq in self.queue:
+                self.queue[seq] = replace(self.queue[seq], policy_version=effective)
+        self.policy_version, self.policy_model = version, model
+        self.step, self.resumed_from = version, version
+        log.warning("trainer %s resumed from step %d: released %d leases (%d groups), "
+                    "queued again %d groups trained after it, kept %d groups sampled by "
+                    "lost versions%s", trainer, version, result.released_leases,
+                    len(result.released), len(result.requeued), len(result.reflected),
+                    f", dropped {len(result.unrecoverable)} whose bodies were released"
+                    if result.unrecoverable else "")
+        return {"policy_version": version, "released_leases": result.released_leases,
+                "released_groups": len(result.released),
+                "requeued_groups": len(result.requeued),
+                "kept_lost_policy_groups": len(result.reflected),
+                "dropped_groups": len(result.unrecoverable)}
+
     async def reset(self) -> None:
         """Forget everything: queue, leases, envs, trainer, step, version, counters."""
         await self._in_db_thread(self.db.reset)
         self.queue, self.leases, self.envs, self.mix_credit = {}, {}, {}, {}
         self.trainer, self.step, self.policy_version = None, 0, None
-        self.policy_model = None
+        self.policy_model = self.resumed_from = None
         self.counters, self._unsaved_counts = Counter(), Counter()
         self._latest_body, self._recent_acks = None, {}
 
@@ -553,7 +619,7 @@ async def handle_lease(request: web.Request) -> web.Response:
 async def handle_ack(request: web.Request) -> web.Response:
     api = request.app[API_KEY]
     req = await parse(request, Ack)
-    await api.ack(req.lease_id, {d.group_id: d.reason for d in req.dead_letters})
+    await api.ack(req.lease_id, {d.group_id: d.reason for d in req.dead_letters}, req.step)
     return json_response({"status": "acked", "current_step": api.step,
                           "dead_lettered": len(req.dead_letters)})
 
@@ -656,6 +722,30 @@ async def handle_policy_version(request: web.Request) -> web.Response:
                           "policy_model": api.policy_model})
 
 
+async def handle_resume(request: web.Request) -> web.Response:
+    """``POST /resume``: the trainer restarted from its checkpoint of step ``version``
+    (:meth:`RolloutAPI.resume`). The explicit way back: ``/policy_version`` still
+    refuses a version older than the current one."""
+    api = request.app[API_KEY]
+    req = await parse(request, Resume)
+    return json_response(await api.resume(req.version, req.model, req.trainer_id))
+
+
+async def handle_checkpoint(request: web.Request) -> web.Response:
+    """``POST /checkpoint``: the trainer can no longer resume from before ``oldest_step``;
+    the bodies of groups trained up to it are released."""
+    api = request.app[API_KEY]
+    req = await parse(request, Checkpointed)
+    released = await api._write(api.db.release_trained, req.oldest_step,
+                                kv={"oldest_checkpoint": req.oldest_step})
+    return json_response({"released_bodies": released})
+
+
+async def handle_accounting(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    return json_response(await api._in_db_thread(api.db.accounting))
+
+
 async def handle_reset(request: web.Request) -> web.Response:
     await request.app[API_KEY].reset()
     return json_response({"status": "reset"})
@@ -708,6 +798,9 @@ def build_app(config: APIConfig) -> web.Application:
         web.post("/nack", handle_nack),
         web.get("/dead_letters", handle_dead_letters),
         web.post("/policy_version", handle_policy_version),
+        web.post("/resume", handle_resume),
+        web.post("/checkpoint", handle_checkpoint),
+        web.get("/accounting", handle_accounting),
         web.get("/counters", get(lambda api: dict(sorted(api.counters.items())))),
     ])
     return app

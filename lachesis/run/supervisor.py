@@ -56,12 +56,21 @@ from lachesis.run.processes import (
 )
 from lachesis.run.progress import RunProgress, last_metrics
 from lachesis.run.ray_cluster import PlacementFailed, RayPlacement, RayUnavailable
+from trainer.checkpoint import STEP_METRICS, checkpoint_dir, checkpoint_step, latest_checkpoint
+from trainer.metrics import truncate_metrics
 
 log = logging.getLogger("lachesis.run")
 
 
 class RunFailed(RuntimeError):
     """A process of the run died or did not come up; the message says which and why."""
+
+
+def _post_json(url: str, payload: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"{}")
 
 
 def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
@@ -74,8 +83,10 @@ def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
 
 class Supervisor:
     def __init__(self, config: RunConfig, *, live: bool | None = None,
-                 ray_address: str | None = None):
+                 ray_address: str | None = None, resume: bool = False):
         self.config = config
+        self.resume = resume
+        """Continue the run in ``run_dir`` from the trainer's last complete checkpoint."""
         self.run_dir = config.run_dir
         self.run_id = uuid.uuid4().hex[:12]
         self.ray_address = ray_address
@@ -230,11 +241,33 @@ class Supervisor:
         ranks = [self.start_process(process) for process in trainer_processes(
             config, "warm_start", train_yaml, None, self.placement)]
         self.wait_for_end(ranks)
-        checkpoints = sorted((sft_dir / "checkpoints").glob("step_*"))
-        if not checkpoints:
+        checkpoint = latest_checkpoint(sft_dir)
+        if checkpoint is None:
             raise RunFailed(f"warm start wrote no checkpoint under {sft_dir / 'checkpoints'}")
-        shutil.copytree(checkpoints[-1], final)
+        tmp = final.with_name("final.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(checkpoint, tmp)
+        tmp.rename(final)
         return str(final)
+
+    def resume_point(self) -> tuple[int, Path | None]:
+        """Where the trainer will resume: the step of its newest checkpoint that verifies
+        (0: none), and that checkpoint (full weights only: a LoRA checkpoint is an
+        adapter, which the trainer loads into vLLM itself)."""
+        checkpoint = latest_checkpoint(self.run_dir / "trainer")
+        if checkpoint is None:
+            return 0, None
+        full = self.config.lora is None
+        return checkpoint_step(checkpoint), checkpoint if full else None
+
+    def roll_back_api(self, api_url: str, step: int) -> None:
+        """Tell the rollout API the run resumes from ``step`` before any env server
+        starts, so no rollout is stamped with a version that no longer exists (the
+        trainer says it again once its weights are in vLLM)."""
+        out = _post_json(api_url + "/resume", {"version": step, "trainer_id": "lachesis-run"})
+        self.say(f"resuming from step {step}: the rollout API released "
+                 f"{out['released_leases']} leases ({out['released_groups']} groups) and "
+                 f"queued again {out['requeued_groups']} groups trained after it")
 
     def write_demonstrations(self, path: Path, tokenizer: str) -> Path:
         import asyncio
@@ -309,6 +342,14 @@ class Supervisor:
                 f"{p.name} on {self.placement.where(p.where)}" for p in layout.processes))
         api_url = layout.api.url
 
+        resume_step, resume_weights = self.resume_point() if self.resume else (0, None)
+        if self.resume:  # the progress display continues from the resumed step
+            truncate_metrics(run_dir / "trainer" / "metrics.jsonl", resume_step,
+                             checkpoint_dir(run_dir / "trainer", resume_step) / STEP_METRICS)
+        if resume_weights is not None:  # vLLM serves the checkpoint's weights from the start
+            for replica in layout.replicas:
+                at = replica.command.index("--model") + 1
+                replica.command[at] = str(resume_weights)
         api = self.start_process(layout.api)
         replicas = [self.start_process(r) for r in layout.replicas]
         backends = [self.start_process(b) for b in layout.backends]
@@ -323,6 +364,8 @@ class Supervisor:
             self.wait_healthy(self.start_process(layout.bridge), layout.bridge.health_url,
                               config.startup_timeout_s)
 
+        if self.resume:
+            self.roll_back_api(api_url, resume_step)
         for server in layout.envs:
             write_yaml(*server.settings)
         # Each env with its first server's settings; atroposlib envs evaluate themselves.
@@ -438,7 +481,7 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
     run_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, filename=run_dir / "run.log",
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    supervisor = Supervisor(config, live=live, ray_address=ray_address)
+    supervisor = Supervisor(config, live=live, ray_address=ray_address, resume=resume)
 
     def on_signal(signum, frame):  # SIGTERM is handled like Ctrl-C
         raise KeyboardInterrupt
