@@ -359,7 +359,11 @@ def _run_run(args: argparse.Namespace) -> int:
 
             code = max(code, print_ray_plan(config, args.ray))
         return code
-    return run(config, fresh=args.fresh, resume=args.resume, ray_address=args.ray)
+    again = ["lachesis", "run", str(args.config), "--resume",
+             *(["--name", args.name] if args.name else []),
+             *(["--ray", args.ray] if args.ray else [])]
+    return run(config, fresh=args.fresh, resume=args.resume, ray_address=args.ray,
+               resume_command=" ".join(again))
 
 
 def _add_filter_flags(p: argparse.ArgumentParser) -> None:

@@ -180,3 +180,31 @@ def test_a_trainer_resumed_from_an_older_checkpoint_trains_the_lost_steps_groups
     assert accounting["trained"] == 8 and accounting["trained_again_after_resume"] == 2
     assert adds_up(accounting)
     assert not (tmp_path / "run" / "checkpoints" / "step_000003.tmp").exists()
+
+
+def test_a_restarted_env_server_samples_its_in_flight_items_again_then_continues(tmp_path):
+    import asyncio
+    import random
+
+    from environments.framework.item_cursor import ItemCursor
+
+    class Items:  # an env's item order: seeded random draws
+        def __init__(self):
+            self.rng = random.Random(7)
+
+        async def get_next_item(self):
+            return self.rng.randint(0, 10**9)
+
+    async def draw(cursor, env, n):
+        return [await cursor.next(env) for _ in range(n)]
+
+    straight = asyncio.run(draw(ItemCursor(), Items(), 8))
+    path = tmp_path / "state" / "env.json"
+    first = ItemCursor(path)
+    drawn = asyncio.run(draw(first, Items(), 5))
+    assert drawn == straight[:5]
+    for index in (0, 1, 3):  # delivered; items 2 and 4 were in flight when it died
+        first.settle(index)
+    again = ItemCursor(path)
+    assert again.resumed == 3
+    assert asyncio.run(draw(again, Items(), 5)) == [straight[i] for i in (2, 4, 5, 6, 7)]

@@ -97,23 +97,35 @@ def test_short_run_flows_groups_syncs_weights_and_leaves_no_process(tiny_model_d
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
 
 
-def test_a_process_that_dies_stops_the_run_with_its_log_tail(tiny_model_dir, tmp_path):
+def test_a_dead_env_server_is_restarted_then_the_run_stops_with_its_tail_and_resume_command(
+        tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, "dies", warm_start=None, evaluate=False,
+                          max_restarts=1, restart_backoff_s=0,
                           train={**SHORT_RUN["train"], "steps": 1000})
     run = start_run(config)
     run_dir = tmp_path / "runs" / "dies"
     metrics = run_dir / "trainer" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 600, "a trainer step", run)
     rid = run_id(run_dir)
-    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in processes_of_run(rid)}
-    env_pids = [p for p, cmd in cmdlines.items()
+
+    def env_server() -> list[int]:
+        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in processes_of_run(rid)}
+        return [p for p, cmd in cmdlines.items()
                 if b"env\0serve" in cmd and b"lachesis.run.guard" not in cmd]
-    assert len(env_pids) == 1
-    os.kill(env_pids[0], signal.SIGKILL)
+
+    first = env_server()
+    assert len(first) == 1
+    os.kill(first[0], signal.SIGKILL)  # restarted: the run goes on
+    wait_for(lambda: env_server() not in ([], first), 120, "the env server's restart", run)
+    time.sleep(3)
+    os.kill(env_server()[0], signal.SIGKILL)  # its restart is spent: the run stops
     out, err = run.communicate(timeout=120)
     assert run.returncode == 1
-    assert "env-arithmetic_tool exited with code -9" in err
-    assert "last lines of" in err and "env-arithmetic_tool.log" in err
+    assert "restarting it (1 of 1)" in out
+    assert "env-arithmetic_tool exited with code -9 (restarted 1 times already)" in err
+    tail = err.split("last lines of", 1)[1]
+    assert "env-arithmetic_tool.log" in tail and tail.count("env serve arithmetic_tool") == 1
+    assert f"lachesis run {config} --resume" in err
     assert processes_of_run(rid) == []
 
 

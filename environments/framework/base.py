@@ -125,6 +125,10 @@ class EnvConfig(BaseModel):
     policy, and one env from crowding out the others. None: never wait."""
     spool_path: Path | None = None
     """Where groups wait while the API is unreachable (default runs/spool/NAME.jsonl)."""
+    state_path: Path | None = None
+    """``serve``: where the server keeps its place in the item order, so a restarted
+    server continues it and samples the items it had in flight again (None: a restart
+    starts the item order over)."""
     # inference
     inference: Literal["vllm", "openai"] = "vllm"
     """``vllm``: token-in/token-out, trainable. ``openai``: any chat API, not trainable."""

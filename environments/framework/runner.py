@@ -52,8 +52,10 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
                 env.stats.backpressure_seconds += time.monotonic() - held_since
                 held_since = None
             in_progress += 1
+            index = None
             try:
-                group = await _one_group(env, await env.get_next_item())
+                index, item = await _next_item(env)
+                group = await _one_group(env, item)
             except Exception as error:  # get_next_item raised: one failed group
                 env.group_failed(None, error, "the group could not be collected",
                                  traceback=True)
@@ -62,11 +64,13 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
                 in_progress -= 1
             _check_failures(env)
             if group is None:
+                _settle(env, index)
                 continue
             if n_groups is not None and reserved >= n_groups:
                 return  # enough groups are already being delivered
             reserved += 1
             await _deliver(env, delivery, group)
+            _settle(env, index)
             delivered += 1
             if n_groups is not None and delivered >= n_groups:
                 done.set()
@@ -83,6 +87,21 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         finished.cancel()
+
+
+async def _next_item(env: Any) -> tuple[int | None, Any]:
+    """The env's next item (and its index, with a server's :class:`ItemCursor`)."""
+    cursor = getattr(env, "item_cursor", None)
+    if cursor is None:
+        return None, await env.get_next_item()
+    return await cursor.next(env)
+
+
+def _settle(env: Any, index: int | None) -> None:
+    """Item ``index``'s group is delivered or given up: a restart does not draw it again."""
+    cursor = getattr(env, "item_cursor", None)
+    if cursor is not None and index is not None:
+        cursor.settle(index)
 
 
 async def _one_group(env: Any, item: Any) -> Any:
@@ -129,20 +148,24 @@ async def run_lockstep(env: Any, delivery: Any, n_groups: int | None, *,
         want = per_round if n_groups is None else min(per_round, n_groups - delivered)
         sent = 0
         while sent < want:
-            items = []
+            items, indices = [], []
             for _ in range(want - sent):
                 try:
-                    items.append(await env.get_next_item())
+                    index, item = await _next_item(env)
+                    items.append(item)
+                    indices.append(index)
                 except Exception as error:  # one failed group
                     env.group_failed(None, error, "the group could not be collected",
                                      traceback=True)
                     _check_failures(env)
             groups = await asyncio.gather(*(_one_group(env, item) for item in items))
             _check_failures(env)
-            for group in groups:
+            for group, index in zip(groups, indices):
                 if group is None:
+                    _settle(env, index)
                     continue
                 await _deliver(env, delivery, group)
+                _settle(env, index)
                 sent += 1
         delivered += sent
         if follows_policy and (n_groups is None or delivered < n_groups):
@@ -169,8 +192,15 @@ async def serve(env: Any) -> dict[str, Any]:
     from environments.api.client import RolloutAPIClient
     from environments.framework.delivery import JSONLDelivery
 
+    from environments.framework.item_cursor import ItemCursor
+
     config = env.config
     spool = config.spool_path or Path("runs/spool") / f"{env.name}.jsonl"
+    if config.state_path is not None:
+        env.item_cursor = ItemCursor(config.state_path)
+        if env.item_cursor.resumed:
+            log.info("continuing the item order after %d items settled by an earlier start "
+                     "(%s)", env.item_cursor.resumed, config.state_path)
     async with RolloutAPIClient(config.api_url, config.api_token) as client:
         registration = await register(env, client)
         env.env_id = registration["env_id"]

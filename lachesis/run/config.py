@@ -181,6 +181,13 @@ class RunConfig(_Section):
     """With ``evaluate``: also before RL (off when the starting policy was measured already)."""
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """How long the rollout API and env servers may take to come up."""
+    max_restarts: int = Field(default=3, ge=0)
+    """How often each process of the RL phase (the rollout API, an env server, a server
+    the run starts for an env, the trainer) may be restarted after it dies before the run
+    stops (vLLM replicas: ``vllm.max_restarts``). docs/fault-tolerance.md."""
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    """Wait before a restart: this, doubled with each restart of the same process
+    (at most 30 s)."""
     ray: RaySettings = Field(default_factory=RaySettings)
     """Placement on a Ray cluster, used by ``lachesis run CONFIG --ray ADDRESS``."""
     shared_devices: list[int] = Field(default_factory=list)

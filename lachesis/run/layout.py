@@ -247,7 +247,8 @@ def build_layout(config: RunConfig, model: str | None = None,
                     **stable, **env.settings, **lockstep, "api_url": api_url, "inference_servers": urls,
                     "tokenizer": model, "env_weight": env.weight / env.count,
                     "jsonl_out": run_dir / "trajectories" / f"{label}.jsonl",
-                    "spool_path": run_dir / "spool" / f"{label}.jsonl"}
+                    "spool_path": run_dir / "spool" / f"{label}.jsonl",
+                    "state_path": run_dir / "state" / f"{label}.json"}
             envs.append(EnvServer(
                 f"env-{label}", lachesis_command("env", "serve", name, "--config",
                                                  str(env_yaml), python=env.python),

@@ -57,11 +57,14 @@ class ChildProcess:
     stdout_path: Path | None = None
     """Where stdout goes when it is wanted apart from the log (e.g. a JSON result)."""
     proc: subprocess.Popen | None = None
+    log_start: int = 0
+    """Where this start's part of the log begins (a restarted process appends to it)."""
 
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log, \
                 (open(self.stdout_path, "wb") if self.stdout_path else contextlib.nullcontext(log)) as out:
+            self.log_start = log.tell()
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
@@ -79,8 +82,11 @@ class ChildProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n_lines: int = 30) -> str:
+        """The last lines this start of the process wrote (not an earlier start's)."""
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                lines = f.read().decode(errors="replace").splitlines()
         except OSError:
             return ""
         return "\n".join(lines[-n_lines:])

@@ -95,9 +95,14 @@ class Supervisor:
         self.children: list[ChildProcess] = []
         self.live = live
         self.progress: RunProgress | None = None
-        self.restartable: set[str] = set()
-        """Names of processes restarted when they die (the vLLM replicas)."""
+        self.restartable: dict[str, int] = {}
+        """Processes restarted when they die: name -> how often at most."""
+        self.restart_groups: dict[str, set[str]] = {}
+        """Processes restarted together (the trainer's ranks): name -> the group's names."""
+        self.replica_names: set[str] = set()
         self.restarts: dict[str, int] = {}
+        self.resume_command: str | None = None
+        """The command that continues the run, shown when it stops."""
         self.layout: Layout | None = None
 
     # -- processes -----------------------------------------------------------------------
@@ -130,17 +135,17 @@ class Supervisor:
                           where=process.where)
 
     def check_alive(self, *allowed_to_finish: ChildProcess) -> None:
-        """Raise :class:`RunFailed` when a process of the run has exited (a vLLM replica
-        is restarted instead, up to ``vllm.max_restarts`` times). Where several have, one
-        killed by a signal is named first: the others (e.g. the trainer's other ranks)
-        most likely failed because of it."""
+        """Restart a process of the run that has exited (up to its restart limit, see
+        :meth:`restart`); raise :class:`RunFailed` when one that cannot be restarted has.
+        Where several have, one killed by a signal is named first: the others (e.g. the
+        trainer's other ranks) most likely failed because of it."""
         dead = []
         for child in self.children:
             code = child.returncode
             if code is None or (code == 0 and child in allowed_to_finish):
                 continue
-            if child.name in self.restartable \
-                    and self.restarts.get(child.name, 0) < self.config.vllm.max_restarts:
+            limit = self.restartable.get(child.name)
+            if limit is not None and self.restarts.get(child.name, 0) < limit:
                 self.restart(child, code)
                 continue
             dead.append((child, code))
@@ -148,23 +153,49 @@ class Supervisor:
             dead.sort(key=lambda found: found[1] >= 0)
             child, code = dead[0]
             also = "".join(f"; {c.name} exited too (code {k})" for c, k in dead[1:])
-            raise RunFailed(f"{child.name} exited with code {code}{also}; last lines of "
-                            f"{child.log_path}:\n{child.log_tail()}")
+            spent = (f" (restarted {self.restarts[child.name]} times already)"
+                     if self.restarts.get(child.name) else "")
+            raise RunFailed(f"{child.name} exited with code {code}{spent}{also}; last lines "
+                            f"of {child.log_path}:\n{child.log_tail()}"
+                            + (f"\nto continue the run from its last checkpoint: "
+                               f"{self.resume_command}" if self.resume_command else ""))
 
     def restart(self, child: ChildProcess, code: int) -> None:
-        """Start a dead replica again, on the newest weights the trainer wrote (the
-        trainer loads newer ones into it once it answers)."""
-        child.stop()  # what is left of its process group
-        weights = self.newest_weights()
-        if weights is not None:
-            at = child.command.index("--model") + 1
-            child.command = [*child.command[:at], str(weights), *child.command[at + 1:]]
-        self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
-        self.say(f"{child.name} exited with code {code}: restarting it "
-                 f"({self.restarts[child.name]} of {self.config.vllm.max_restarts}) "
-                 f"on {weights or 'the starting model'}")
-        child.start()
-        self.log_started(child)
+        """Start a dead process of the run again, after a backoff (``restart_backoff_s``,
+        doubled with each restart of it):
+
+        * a vLLM replica on the newest weights the trainer wrote (the trainer loads newer
+          ones into it once it answers);
+        * the trainer (all its ranks) from its last checkpoint: it tells the rollout API,
+          which releases its leases and queues again what later steps trained on;
+        * the rollout API on its database (nothing accepted is lost; the others retry
+          and the env servers spool meanwhile);
+        * an env server: it continues its item order where it had delivered everything
+          before, so the items it had in flight are sampled again;
+        * a server the run started for an env (OpenEnv) on the same address."""
+        group = [c for c in self.children if c.name in self.restart_groups.get(child.name,
+                                                                                 {child.name})]
+        for member in group:
+            member.stop()  # what is left of its process group (the other ranks)
+        n = self.restarts.get(child.name, 0) + 1
+        for member in group:
+            self.restarts[member.name] = n
+        limit = self.restartable[child.name]
+        weights = None
+        if child.name in self.replica_names:
+            weights = self.newest_weights()
+            if weights is not None:
+                at = child.command.index("--model") + 1
+                child.command = [*child.command[:at], str(weights), *child.command[at + 1:]]
+        self.say(f"{child.name} exited with code {code}: restarting it ({n} of {limit})"
+                 + (f" on {weights or 'the starting model'}"
+                    if child.name in self.replica_names else ""))
+        log.warning("%s exited with code %s; last lines of %s:\n%s", child.name, code,
+                    child.log_path, child.log_tail(10))
+        time.sleep(min(30.0, self.config.restart_backoff_s * 2 ** (n - 1)))
+        for member in group:
+            member.start()
+            self.log_started(member)
 
     def newest_weights(self) -> Path | None:
         """The newest complete weights the trainer synced (``trainer/weights/vNNNNNN``)."""
@@ -356,7 +387,13 @@ class Supervisor:
         self.wait_healthy(api, api_url + "/status", config.startup_timeout_s)
         for child, replica in zip(replicas, layout.replicas):
             self.wait_healthy(child, replica.url + "/health", config.vllm.startup_timeout_s)
-        self.restartable = {r.name for r in layout.replicas}
+        self.replica_names = {r.name for r in layout.replicas}
+        self.restartable = {name: config.vllm.max_restarts for name in self.replica_names}
+        self.restartable.update({p.name: config.max_restarts for p in [
+            layout.api, *layout.backends, *layout.envs, *layout.trainers,
+            *([layout.bridge] if layout.bridge is not None else [])]})
+        trainer_names = {p.name for p in layout.trainers}
+        self.restart_groups = {name: trainer_names for name in trainer_names}
         for child, backend, env in zip(backends, layout.backends,
                                        [e for e in config.envs if e.server is not None]):
             self.wait_healthy(child, backend.health_url, env.server.startup_timeout_s)
@@ -415,7 +452,10 @@ class Supervisor:
             phases["evaluation after"] = lap()
 
         if self.restarts:
-            summary["vllm_restarts"] = dict(self.restarts)
+            summary["restarts"] = dict(self.restarts)
+            replicas = {k: v for k, v in self.restarts.items() if k in self.replica_names}
+            if replicas:
+                summary["vllm_restarts"] = replicas
         from lachesis.run.report import write_summary
 
         summary.update(write_summary(run_dir, summary, train_dir / "metrics.jsonl"))
@@ -453,9 +493,11 @@ def run_quietly(config: RunConfig) -> dict[str, Any]:
 
 
 def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
-        live: bool | None = None, ray_address: str | None = None) -> int:
+        live: bool | None = None, ray_address: str | None = None,
+        resume_command: str | None = None) -> int:
     """Run the whole system (on the Ray cluster at ``ray_address``, else on this machine);
-    returns the exit code (0: the trainer finished)."""
+    returns the exit code (0: the trainer finished). ``resume_command``: the command that
+    continues this run (shown when it stops)."""
     run_dir = config.run_dir
     if ray_address is not None:
         from lachesis.run.ray_cluster import alive_nodes, connect, ray_problems
@@ -482,6 +524,7 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
     logging.basicConfig(level=logging.INFO, filename=run_dir / "run.log",
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     supervisor = Supervisor(config, live=live, ray_address=ray_address, resume=resume)
+    supervisor.resume_command = resume_command
 
     def on_signal(signum, frame):  # SIGTERM is handled like Ctrl-C
         raise KeyboardInterrupt
