@@ -416,6 +416,11 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
                    help="instead of a file: the groups the trainer set aside as dead letters "
                         "in the rollout API at API_URL (when, group, env, reason); with --save "
                         "FILE they are also written as JSONL, for inspect FILE and report FILE")
+    p.add_argument("--run", type=Path, metavar="RUN_DIR", dest="run_dir",
+                   help="instead of a file: the rollout accounting of the run in RUN_DIR "
+                        "(runs/NAME): groups received, trained, trained again after a "
+                        "resume, set aside, dropped, with reasons; exit 1 if it does not "
+                        "add up")
     p.add_argument("--save", type=Path, metavar="FILE",
                    help="with --dead-letters: write the dead-lettered groups to FILE (JSONL)")
     p.add_argument("--group", metavar="N|ID",
@@ -440,8 +445,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
     if args.dead_letters:
         return _run_dead_letters(args)
+    if args.run_dir:
+        return _run_accounting(args.run_dir)
     if args.file is None:
-        print("lachesis inspect: give a FILE (or --dead-letters API_URL)", file=sys.stderr)
+        print("lachesis inspect: give a FILE (or --dead-letters API_URL, or --run RUN_DIR)",
+              file=sys.stderr)
         return 2
     inputs = _inspection_inputs("lachesis inspect", args)
     if inputs is None:
@@ -451,6 +459,23 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return inspect_file(args.file, filter=filter, decoder=decoder, console=Console(),
                         err_console=Console(stderr=True), group=args.group, limit=args.limit,
                         stats=args.stats, tokens=args.tokens, max_chars=args.max_chars)
+
+
+def _run_accounting(run_dir: Path) -> int:
+    from environments.api.queue_db import QueueDB
+    from lachesis.run.report import accounting_problems, accounting_text
+
+    db_path = run_dir / "api" / "queue.sqlite"
+    if not db_path.exists():
+        print(f"lachesis inspect: {run_dir} has no rollout queue ({db_path})", file=sys.stderr)
+        return 2
+    db = QueueDB(db_path)
+    try:
+        accounting = db.accounting()
+    finally:
+        db.close()
+    print(accounting_text(accounting))
+    return 1 if accounting_problems(accounting) else 0
 
 
 def _run_dead_letters(args: argparse.Namespace) -> int:

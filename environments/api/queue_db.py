@@ -323,6 +323,9 @@ class QueueDB:
             "SELECT COUNT(*) FROM groups WHERE state='done' AND requeues > 0").fetchone()
         (requeues,) = self.conn.execute("SELECT COALESCE(SUM(requeues), 0) FROM groups"
                                         ).fetchone()
+        counters = dict(self.conn.execute(
+            "SELECT name, value FROM counters WHERE name IN ('resumes', 'released_groups', "
+            "'kept_lost_policy_groups', 'duplicate_pushes', 'leases_expired')"))
         return {"received": sum(by_state.values()),
                 "trained": by_state.get("done", 0),
                 "trained_again_after_resume": retrained,
@@ -332,7 +335,12 @@ class QueueDB:
                 "dropped": by_state.get("dropped", 0),
                 "dropped_reasons": dropped,
                 "queued": by_state.get("queued", 0),
-                "leased": by_state.get("leased", 0)}
+                "leased": by_state.get("leased", 0),
+                "resumes": counters.get("resumes", 0),
+                "released_from_dead_trainers": counters.get("released_groups", 0),
+                "kept_lost_policy_groups": counters.get("kept_lost_policy_groups", 0),
+                "duplicate_pushes_ignored": counters.get("duplicate_pushes", 0),
+                "leases_expired": counters.get("leases_expired", 0)}
 
     def dead_letters(self, limit: int) -> tuple[int, list[DeadLetter]]:
         """How many groups were set aside, and the newest ``limit`` of them."""

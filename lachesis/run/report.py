@@ -138,3 +138,41 @@ def write_summary(run_dir: Path, summary: dict[str, Any], metrics_path: Path) ->
         parts.append(f"![reward curve]({png.name})")
     (run_dir / "summary.md").write_text("\n".join(parts) + "\n")
     return written
+
+
+def accounting_problems(a: dict[str, Any]) -> list[str]:
+    """Where the rollout API's accounting does not add up (empty: it does)."""
+    problems = []
+    parts = a["trained"] + a["set_aside"] + a["dropped"] + a["queued"] + a["leased"]
+    if a["received"] != parts:
+        problems.append(f"received {a['received']} != trained + set aside + dropped + queued "
+                        f"+ leased = {parts}")
+    for total, reasons in (("dropped", "dropped_reasons"), ("set_aside", "set_aside_reasons")):
+        if a[total] != sum(a[reasons].values()):
+            problems.append(f"{total} {a[total]} != the sum of its reasons {a[reasons]}")
+    if a["trained_again_after_resume"] > a["trained"]:
+        problems.append("more groups trained again than trained")
+    return problems
+
+
+def accounting_text(a: dict[str, Any]) -> str:
+    """The groups of a run, where each went, and whether the numbers add up."""
+    def reasons(found: dict[str, int]) -> str:
+        return ("  (" + ", ".join(f"{k}: {v}" for k, v in sorted(found.items())) + ")"
+                if found else "")
+
+    problems = accounting_problems(a)
+    lines = [
+        f"groups received        {a['received']:>7}",
+        f"  trained              {a['trained']:>7}   of which trained again after a resume "
+        f"(their first update died with a trainer): {a['trained_again_after_resume']}",
+        f"  set aside            {a['set_aside']:>7}{reasons(a['set_aside_reasons'])}",
+        f"  dropped              {a['dropped']:>7}{reasons(a['dropped_reasons'])}",
+        f"  still queued         {a['queued']:>7}",
+        f"  leased (in a step)   {a['leased']:>7}",
+        f"resumes {a.get('resumes', 0)}; groups released from dead trainers' leases "
+        f"{a.get('released_from_dead_trainers', 0)}; kept from lost policy versions "
+        f"{a.get('kept_lost_policy_groups', 0)}; duplicate pushes ignored "
+        f"{a.get('duplicate_pushes_ignored', 0)}",
+        "adds up: yes" if not problems else "adds up: NO: " + "; ".join(problems)]
+    return "\n".join(lines)

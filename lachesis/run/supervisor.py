@@ -444,6 +444,12 @@ class Supervisor:
                             _get_json(api_url + "/status"))
             self.progress = None
         phases["training"] = lap()
+        accounting = _get_json(api_url + "/accounting", timeout=30)
+        if accounting is not None:
+            from lachesis.run.report import accounting_text
+
+            summary["accounting"] = accounting
+            self.say("rollout accounting:\n" + accounting_text(accounting))
         for child in [c for c in self.children if c.name.startswith("env-")]:
             child.stop()  # no more rollouts: vLLM now serves the final weights
             self.children.remove(child)
