@@ -139,7 +139,9 @@ class APIBatches:
     position = 0
 
     def __init__(self, config: TrainConfig, rank: int = 0, world: int = 1):
-        self.client = RolloutAPIClient(config.api_url, config.api_token)
+        # A restarted API is back in seconds: retries span ~30-60 s before the trainer
+        # gives up (and is restarted from its checkpoint).
+        self.client = RolloutAPIClient(config.api_url, config.api_token, retries=10)
         self.config = config
         self.rank, self.world = rank, world
 

@@ -68,6 +68,9 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS acked_leases (
+    lease_id TEXT PRIMARY KEY
+);
 CREATE TABLE IF NOT EXISTS dead_letters (
     seq INTEGER PRIMARY KEY REFERENCES groups(seq),
     reason TEXT NOT NULL,
@@ -75,6 +78,10 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     at REAL NOT NULL
 );
 """
+
+
+RECENT_ACKS = 10_000
+"""Acknowledged lease ids remembered (for retried acks), also across restarts."""
 
 
 @dataclass
@@ -122,6 +129,7 @@ class LoadedState:
     envs: dict[int, dict[str, Any]]
     kv: dict[str, Any]
     counters: dict[str, int]
+    acked: list[str] = field(default_factory=list)
 
 
 class QueueDB:
@@ -169,7 +177,9 @@ class QueueDB:
         kv = {key: json.loads(value)
               for key, value in self.conn.execute("SELECT key, value FROM kv")}
         counters = dict(self.conn.execute("SELECT name, value FROM counters"))
-        return LoadedState(queue, leases, leased, envs, kv, counters)
+        acked = [lid for (lid,) in self.conn.execute(
+            "SELECT lease_id FROM acked_leases ORDER BY rowid")]
+        return LoadedState(queue, leases, leased, envs, kv, counters, acked)
 
     # -- writes (each one transaction) ---------------------------------------------------
     # ``kv``: state values to set; ``counts``: counter increments; both committed with
@@ -255,6 +265,10 @@ class QueueDB:
                 cur.execute("UPDATE groups SET state='queued', lease_id=NULL "
                             "WHERE lease_id=?", (lease_id,))
             cur.execute("DELETE FROM leases WHERE lease_id=?", (lease_id,))
+            if done:  # a retried ack (its answer lost in a crash) is recognised after it
+                cur.execute("INSERT OR IGNORE INTO acked_leases VALUES (?)", (lease_id,))
+                cur.execute("DELETE FROM acked_leases WHERE rowid <= "
+                            "(SELECT MAX(rowid) FROM acked_leases) - ?", (RECENT_ACKS,))
 
     def release_trained(self, up_to_step: int, kv=None, counts=None) -> int:
         """Clear the bodies of groups trained at steps ``<= up_to_step`` (a checkpoint the
@@ -367,7 +381,8 @@ class QueueDB:
 
     def reset(self) -> None:
         with self._transaction(None, None) as cur:
-            for table in ("dead_letters", "groups", "leases", "envs", "kv", "counters"):
+            for table in ("dead_letters", "groups", "leases", "envs", "kv", "counters",
+                          "acked_leases"):
                 cur.execute(f"DELETE FROM {table}")
 
     # -- helpers ----------------------------------------------------------------------

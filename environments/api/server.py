@@ -137,7 +137,7 @@ class RolloutAPI:
         self._flushing = False
         self._latest_body: bytes | None = None
         self._expiry_task: asyncio.Task | None = None
-        self._recent_acks: dict[str, None] = {}  # insertion-ordered, bounded
+        self._recent_acks: dict[str, None] = dict.fromkeys(loaded.acked)  # ordered, bounded
         if self.queue or self.leases:
             log.info("resumed %d queued groups and %d leases from %s",
                      len(self.queue), len(self.leases), config.db_path)
