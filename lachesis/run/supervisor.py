@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -66,9 +67,12 @@ class RunFailed(RuntimeError):
     """A process of the run died or did not come up; the message says which and why."""
 
 
-def _post_json(url: str, payload: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+def _post_json(url: str, payload: dict[str, Any], timeout: float = 30.0,
+               token: str | None = None) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json",
+               **({"Authorization": f"Bearer {token}"} if token else {})}
     request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read() or b"{}")
 
@@ -295,7 +299,13 @@ class Supervisor:
         """Tell the rollout API the run resumes from ``step`` before any env server
         starts, so no rollout is stamped with a version that no longer exists (the
         trainer says it again once its weights are in vLLM)."""
-        out = _post_json(api_url + "/resume", {"version": step, "trainer_id": "lachesis-run"})
+        token = self.config.api.get("token") or os.environ.get("LACHESIS_API_TOKEN")
+        try:
+            out = _post_json(api_url + "/resume", {"version": step,
+                                                   "trainer_id": "lachesis-run"}, token=token)
+        except (OSError, ValueError) as error:
+            raise RunFailed(f"could not tell the rollout API at {api_url} that the run "
+                            f"resumes from step {step}: {error}") from None
         self.say(f"resuming from step {step}: the rollout API released "
                  f"{out['released_leases']} leases ({out['released_groups']} groups) and "
                  f"queued again {out['requeued_groups']} groups trained after it")
@@ -426,8 +436,10 @@ class Supervisor:
             # starts once the trainer has registered.
             waiting = [s for s in layout.envs if s.kind == "atropos"]
             progress.phase = "training"
-            while any(rank.returncode is None for rank in ranks):
-                self.check_alive(*ranks)
+            while True:
+                self.check_alive(*ranks)  # a dead rank is restarted (or the run stops)
+                if all(rank.returncode == 0 for rank in ranks):
+                    break
                 if waiting and (_get_json(api_url + "/status") or {}).get("trainer_registered"):
                     for server in waiting:
                         self.start_process(server)
@@ -437,7 +449,6 @@ class Supervisor:
                 progress.update(last_metrics(train_dir / "metrics.jsonl"),
                                 _get_json(api_url + "/status"))
                 time.sleep(1.0)
-            self.check_alive(*ranks)
             for rank in ranks:
                 self.children.remove(rank)
             progress.update(last_metrics(train_dir / "metrics.jsonl"),
