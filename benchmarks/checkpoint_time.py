@@ -4,8 +4,8 @@ rename) for full fine-tuning and for a LoRA adapter, and how long finding and ve
 the newest checkpoint takes on resume (``latest_checkpoint``).
 
 Models: a shape of ``lachesis.model_shapes`` (random weights, nothing downloaded; bfloat16
-on CUDA, float32 on the CPU unless ``--dtype``), or ``tiny`` (the quickstart's 2-layer
-model). The optimizer is AdamW with its state present (one step taken), as in a run.
+on CUDA, float32 on the CPU unless ``--dtype``), ``tiny`` (the tests' tiny model), or a
+model directory (e.g. ``runs/quickstart/warm_start/final``). The optimizer is AdamW with its state present (one step taken), as in a run.
 
     .venv/bin/python benchmarks/checkpoint_time.py --shape tiny --out /tmp/ckpt
     python benchmarks/checkpoint_time.py --shape qwen2.5-0.5b qwen2.5-1.5b --out /tmp/ckpt
@@ -37,6 +37,9 @@ def build(shape: str, dtype: torch.dtype, device: str, work: Path):
 
     from lachesis.tiny_model import make_tiny_model
 
+    if Path(shape).is_dir():
+        return (AutoModelForCausalLM.from_pretrained(shape, dtype=dtype).to(device),
+                AutoTokenizer.from_pretrained(shape))
     tiny = make_tiny_model(work / "tiny-model", seed=0, tied=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     if shape == "tiny":
@@ -82,7 +85,8 @@ def measure(model, tokenizer, run_dir: Path, repeats: int) -> tuple[float, float
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", nargs="+", default=["tiny"])
+    parser.add_argument("--shape", nargs="+", default=["tiny"],
+                        help="shapes of lachesis.model_shapes, tiny, or model directories")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
@@ -98,17 +102,18 @@ def main() -> int:
         for shape in args.shape:
             model, tokenizer = build(shape, dtype, args.device, work)
             params = sum(p.numel() for p in model.parameters())
-            full = measure(model, tokenizer, work / f"{shape}-full", args.repeats)
-            shutil.rmtree(work / f"{shape}-full")
+            name = Path(shape).name
+            full = measure(model, tokenizer, work / f"{name}-full", args.repeats)
+            shutil.rmtree(work / f"{name}-full")
             from trainer.lora import LoraSettings, apply_lora
 
             lora_model = apply_lora(model, LoraSettings(rank=args.lora_rank,
                                                         alpha=2.0 * args.lora_rank))
-            lora = measure(lora_model, tokenizer, work / f"{shape}-lora", args.repeats)
-            shutil.rmtree(work / f"{shape}-lora")
+            lora = measure(lora_model, tokenizer, work / f"{name}-lora", args.repeats)
+            shutil.rmtree(work / f"{name}-lora")
             for kind, (save_s, verify_s, written) in (("full", full),
                                                       (f"lora r={args.lora_rank}", lora)):
-                rows.append({"shape": shape, "params": params, "dtype": str(dtype),
+                rows.append({"shape": name, "params": params, "dtype": str(dtype),
                              "device": args.device, "kind": kind, "bytes": written,
                              "save_s": save_s, "verify_s": verify_s})
             del model, lora_model

@@ -223,3 +223,21 @@ def test_a_restarted_env_server_samples_its_in_flight_items_again_then_continues
     again = ItemCursor(path)
     assert again.resumed == 3
     assert asyncio.run(draw(again, Items(), 5)) == [straight[i] for i in (2, 4, 5, 6, 7)]
+
+
+def test_groups_a_step_used_up_without_training_are_counted_as_dropped_with_the_reason():
+    from environments.api.client import RejectedGroup
+
+    async def scenario():
+        async with running_api() as (url, api), RolloutAPIClient(url) as client:
+            await client.register_trainer(batch_size=4, max_token_len=64)
+            for i in range(2):
+                await client.push_group(make_group(2, group_id=f"g{i}", seed=i))
+            batch = await client.lease()
+            await client.ack(batch.lease_id, step=1, dropped=[
+                RejectedGroup.of(batch.groups[0], "no_signal")])
+            return await client.accounting()
+
+    accounting = run(scenario())
+    assert accounting["trained"] == 1 and accounting["dropped_reasons"] == {"no_signal": 1}
+    assert adds_up(accounting)

@@ -69,7 +69,7 @@ class Acks(JSONLBatches):
 
     finished: list[Batch]
 
-    async def finish(self, batch):
+    async def finish(self, batch, step=None):
         self.finished = [*getattr(self, "finished", []), batch]
 
 
@@ -92,6 +92,9 @@ def test_dynamic_sampling_sets_aside_equal_groups_and_fills_the_batch(tmp_path):
     assert stats["dynamic_sampling_batches"] == 2.0 and stats["rows"] == 8
     asyncio.run(source.finish(batch))
     assert len(source.source.finished) == 2  # every batch taken is finished
+    # the equal groups are acknowledged as dropped, with the reason (the accounting)
+    assert [[r.reason for r in part.dropped] for part in source.source.finished] == [
+        ["no_signal"], ["no_signal"]]
     # batch 3: [signal, equal]; batch 4 (the cap is 3, so 2 more): [equal, signal] ...
     batch = asyncio.run(source.next())
     assert batch.stats["dynamic_sampling_full"] == 1.0 and len(batch.groups) == 2

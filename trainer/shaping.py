@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from environments.api.client import RejectedGroup
 from environments.trajectory import MASKED, ScoredTrajectory
 from trainer.advantages import compute_group_advantages
 from trainer.config import TrainConfig
@@ -118,8 +119,10 @@ class DynamicSampling:
             for group in part.groups:
                 if not has_signal(group.trajectories, self.config):
                     equal += 1
+                    part.dropped.append(RejectedGroup.of(group, "no_signal"))
                 elif n + len(group.trajectories) > self.config.batch_size:
                     surplus += 1
+                    part.dropped.append(RejectedGroup.of(group, "left_out_batch_full"))
                 else:
                     kept.append(group)
                     n += len(group.trajectories)
@@ -143,6 +146,7 @@ class DynamicSampling:
             ids = {g.group_id for g in part.groups}
             extra = [r for r in batch.rejected if r.group_id in ids and r not in part.rejected]
             part.rejected = [*part.rejected, *extra]
+            part.dropped += [r for r in batch.dropped if r.group_id in ids]
             await self.source.finish(part, step)
 
     async def publish_version(self, version: int, model: str | None = None) -> None:

@@ -39,6 +39,9 @@ class Batch:
     lease_id: str | None = None
     rejected: list[RejectedGroup] = field(default_factory=list)
     """Groups set aside (they cannot be trained on); acknowledged as dead letters."""
+    dropped: list[RejectedGroup] = field(default_factory=list)
+    """Groups the step used up without training on them (every reward equal, dropped
+    or left out); acknowledged as dropped, with the reason."""
     tensors: TrainBatch | None = None
     """Ready-made training tensors (SFT), instead of groups."""
     stats: dict[str, float] = field(default_factory=dict)
@@ -171,7 +174,8 @@ class APIBatches:
         """Acknowledge the batch's lease; ``step``: the step that trained it (the API
         keeps its groups until a checkpoint covers it)."""
         if batch.lease_id is not None:
-            await self.client.ack(batch.lease_id, batch.rejected, step=step)
+            await self.client.ack(batch.lease_id, batch.rejected, step=step,
+                                  dropped=batch.dropped)
 
     async def publish_version(self, version: int, model: str | None = None) -> None:
         await self.client.set_policy_version(version, model)

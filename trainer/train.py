@@ -145,6 +145,7 @@ def batch_tensors(batch: Batch, config: TrainConfig, vocab_size: int,
                 env_metrics.setdefault(f"time/{name}", []).append(float(value))
         if result is None:
             dropped += 1
+            batch.dropped.append(RejectedGroup.of(group, "zero_variance"))
             continue
         zero_variance += result.zero_variance
         trajectories += group_rows

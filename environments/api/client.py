@@ -175,13 +175,18 @@ class RolloutAPIClient:
                            groups, rejected)
 
     async def ack(self, lease_id: str, dead_letters: list[RejectedGroup] | None = None,
-                  step: int | None = None) -> dict[str, Any]:
+                  step: int | None = None,
+                  dropped: list[RejectedGroup] | None = None) -> dict[str, Any]:
         """Finish a lease; ``dead_letters``: its groups that could not be trained on (set
         aside by the API with their reasons, never redelivered); ``step``: the trainer
-        step that trained the others (kept until :meth:`checkpoint` covers it)."""
-        return await self.request("POST", "/ack", {"lease_id": lease_id, "step": step,
-                                                   "dead_letters": [
-            {"group_id": r.group_id, "reason": r.reason} for r in dead_letters or []]})
+        step that trained the others (kept until :meth:`checkpoint` covers it);
+        ``dropped``: groups the step used up without training on them (with a reason)."""
+        return await self.request("POST", "/ack", {
+            "lease_id": lease_id, "step": step,
+            "dead_letters": [{"group_id": r.group_id, "reason": r.reason}
+                             for r in dead_letters or []],
+            "dropped": [{"group_id": r.group_id, "reason": r.reason}
+                        for r in dropped or []]})
 
     async def resume(self, version: int, model: str | None = None,
                      trainer_id: str | None = None) -> dict[str, Any]:

@@ -241,11 +241,13 @@ class QueueDB:
 
     def finish_lease(self, lease_id: str, done: bool, kv=None, counts=None,
                      dead_letters: dict[int, str] | None = None,
-                     trainer: str | None = None, trained_step: int | None = None) -> None:
+                     trainer: str | None = None, trained_step: int | None = None,
+                     dropped: dict[int, str] | None = None) -> None:
         """Acknowledge a lease (its groups are done, except ``dead_letters``: seq -> reason,
         set aside with their bodies) or give its groups back to the queue. A done group
         keeps its body, with the ``trained_step`` that trained it, until
-        :meth:`release_trained` (without a step it is cleared at once)."""
+        :meth:`release_trained` (without a step it is cleared at once). ``dropped``:
+        seq -> reason, groups the step used up without training on them."""
         with self._transaction(kv, counts) as cur:
             if done and dead_letters:
                 now = time.time()
@@ -255,6 +257,10 @@ class QueueDB:
                 cur.executemany("INSERT OR REPLACE INTO dead_letters VALUES (?, ?, ?, ?)",
                                 [(seq, reason, trainer, now)
                                  for seq, reason in dead_letters.items()])
+            if done and dropped:
+                cur.executemany("UPDATE groups SET state='dropped', drop_reason=?, "
+                                "body=NULL, lease_id=NULL WHERE seq=?",
+                                [(reason, seq) for seq, reason in dropped.items()])
             if done and trained_step is None:
                 cur.execute("UPDATE groups SET state='done', body=NULL, lease_id=NULL "
                             "WHERE lease_id=?", (lease_id,))

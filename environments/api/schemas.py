@@ -66,6 +66,9 @@ class Ack(BaseModel):
     lease_id: str
     dead_letters: list[DeadLetterRequest] = Field(default_factory=list)
     """Groups of the lease that could not be trained on; the rest were trained."""
+    dropped: list[DeadLetterRequest] = Field(default_factory=list)
+    """Groups of the lease the step used up without training on them (every reward
+    equal, left out by dynamic sampling): dropped, counted under their reason."""
     step: int | None = Field(default=None, ge=0, le=MAX_INT)
     """The trainer step whose update holds the lease's groups. Given, the API keeps their
     bodies until a checkpoint covers that step (``POST /checkpoint``), so a trainer that

@@ -342,10 +342,12 @@ class RolloutAPI:
         return lease, bodies
 
     async def ack(self, lease_id: str, dead_letters: dict[str, str] | None = None,
-                  step: int | None = None) -> None:
+                  step: int | None = None, dropped: dict[str, str] | None = None) -> None:
         """Finish a lease: its groups are done, except ``dead_letters`` (group id ->
         reason), which are set aside with their bodies and never redelivered. ``step``:
-        the trainer step that trained them (kept until a checkpoint covers it)."""
+        the trainer step that trained them (kept until a checkpoint covers it);
+        ``dropped`` (group id -> reason): groups the step used up without training on
+        them, counted as dropped."""
         if lease_id in self._recent_acks:  # a retried ack whose answer was lost
             return
         lease = self.leases.get(lease_id)
@@ -355,12 +357,18 @@ class RolloutAPI:
                                 "groups were redelivered), was acknowledged already, or "
                                 "never existed", field="lease_id")
         by_id = {g.group_id: g for g in lease.groups}
-        dead_letters = dead_letters or {}
-        for i, group_id in enumerate(dead_letters):
-            if group_id not in by_id:
-                self.count_rejection("invalid")
-                raise APIError(422, f"group {group_id!r} is not part of lease {lease_id!r}",
-                               field=f"dead_letters[{i}].group_id")
+        dead_letters, dropped = dead_letters or {}, dropped or {}
+        for name, named in (("dead_letters", dead_letters), ("dropped", dropped)):
+            for i, group_id in enumerate(named):
+                if group_id not in by_id:
+                    self.count_rejection("invalid")
+                    raise APIError(422, f"group {group_id!r} is not part of lease "
+                                        f"{lease_id!r}", field=f"{name}[{i}].group_id")
+        skipped = {by_id[g].seq: reason for g, reason in dropped.items()
+                   if g not in dead_letters}
+        drop_counts: Counter[str] = Counter()
+        for reason in skipped.values():
+            drop_counts[f"dropped_groups_{reason}"] += 1
         dead = {by_id[g].seq: reason for g, reason in dead_letters.items()}
         for group_id, reason in dead_letters.items():
             log.warning("dead letter: group %s (env_id %s) set aside by trainer %s: %s",
@@ -369,10 +377,12 @@ class RolloutAPI:
         n_dead = sum(by_id[g].n_sequences for g in dead_letters)
         try:
             finish = functools.partial(self.db.finish_lease, dead_letters=dead,
-                                       trainer=lease.trainer, trained_step=step)
+                                       trainer=lease.trainer, trained_step=step,
+                                       dropped=skipped)
             await self._write(finish, lease_id, True, kv={"step": self.step + 1},
-                              counts={"acked_leases": 1,
-                                      "acked_groups": len(lease.groups) - len(dead),
+                              counts={"acked_leases": 1, **drop_counts,
+                                      "acked_groups": len(lease.groups) - len(dead)
+                                      - len(skipped),
                                       "dead_lettered_groups": len(dead),
                                       "dead_lettered_sequences": n_dead})
         except BaseException:
@@ -619,7 +629,8 @@ async def handle_lease(request: web.Request) -> web.Response:
 async def handle_ack(request: web.Request) -> web.Response:
     api = request.app[API_KEY]
     req = await parse(request, Ack)
-    await api.ack(req.lease_id, {d.group_id: d.reason for d in req.dead_letters}, req.step)
+    await api.ack(req.lease_id, {d.group_id: d.reason for d in req.dead_letters}, req.step,
+                  {d.group_id: d.reason for d in req.dropped})
     return json_response({"status": "acked", "current_step": api.step,
                           "dead_lettered": len(req.dead_letters)})
 
