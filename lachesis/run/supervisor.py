@@ -181,6 +181,11 @@ class Supervisor:
                                                                                  {child.name})]
         for member in group:
             member.stop()  # what is left of its process group (the other ranks)
+        for backend in self.layout.backends if self.layout is not None else []:
+            if backend.name == child.name and backend.container is not None:
+                # a docker CLI killed outright leaves its container: free the name and port
+                subprocess.run(["docker", "rm", "--force", backend.container],
+                               capture_output=True, check=False)
         n = self.restarts.get(child.name, 0) + 1
         for member in group:
             self.restarts[member.name] = n
