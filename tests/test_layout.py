@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -355,3 +356,41 @@ def test_plan_warns_of_constrained_sampling(tmp_path):
         "up) and its importance ratios are off: sample without it"]
     assert f"warning: {plan.warnings[0]}" in format_plan(plan)
     assert make_plan(config(tmp_path), devices_present=8).warnings == []
+
+
+def test_a_dead_openenv_server_is_restarted_on_its_address_until_its_restarts_are_spent(
+        tmp_path):
+    """What a dying server the run started sees: restarted on the same address (bounded,
+    with backoff), then the run stops with that start's log tail and the command that
+    continues the run."""
+    from lachesis.run.supervisor import RunFailed
+
+    run = config(tmp_path, train={"batch_size": 8}, max_restarts=1, restart_backoff_s=0.1,
+                 envs=[{"name": "openenv:http://127.0.0.1:{port}", "settings": {"group_size": 4},
+                        "server": {"command": ["python3", "-c", HEALTH_SERVER, "{port}"]}}])
+    supervisor = Supervisor(run)
+    supervisor.resume_command = "lachesis run run.yaml --resume"
+    supervisor.layout = layout = build_layout(run)
+    [backend] = layout.backends
+    child = supervisor.start_process(backend)
+    supervisor.restartable = {backend.name: run.max_restarts}
+    try:
+        supervisor.wait_healthy(child, backend.health_url, timeout_s=60)
+        first = child.proc.pid
+        guard = Path(f"/proc/{first}/task/{first}/children")
+        os.kill(int(guard.read_text().split()[0]), signal.SIGKILL)  # the server itself
+        child.proc.wait()
+        supervisor.check_alive()  # restarted, on the same port
+        assert child.proc.pid != first and supervisor.restarts == {backend.name: 1}
+        supervisor.wait_healthy(child, backend.health_url, timeout_s=60)
+        child.proc.kill()
+        child.proc.wait()
+        with pytest.raises(RunFailed) as failed:
+            supervisor.check_alive()
+    finally:
+        supervisor.stop_all()
+    message = str(failed.value)
+    assert f"{backend.name} exited with code -9 (restarted 1 times already)" in message
+    assert message.count("$ ") == 1  # this start's tail, not the first start's
+    assert message.endswith("to continue the run from its last checkpoint: "
+                            "lachesis run run.yaml --resume")
