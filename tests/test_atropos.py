@@ -70,6 +70,60 @@ if __name__ == "__main__":
     LetterEEnv.cli()
 '''
 
+DEFAULTS_ATROPOS_ENV = '''
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataItem
+
+
+def tokenize(tokenizer, chat):
+    """What atroposlib's ``tokenize_for_trainer`` does (the chat's tokens, all but the
+    last message masked); it breaks on transformers 5, whose ``apply_chat_template``
+    returns a dict unless told otherwise."""
+    tokens = tokenizer.apply_chat_template(chat, return_dict=False)
+    prefix = len(tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True,
+                                               return_dict=False))
+    return tokens, [-100] * prefix + tokens[prefix:]
+
+
+class LetterEDefaultsEnv(BaseEnv):
+    """Written as most Atropos envs are: ``chat_completion`` on an OpenAI-compatible
+    server, the chat tokenized after the fact, one ``ScoredDataItem`` per rollout, and
+    atroposlib's default ``collect_trajectories`` (which sends no ``inference_logprobs``)."""
+
+    name = "letter_e_defaults"
+
+    @classmethod
+    def config_init(cls):
+        env = BaseEnvConfig(wandb_name=cls.name, group_size=4, use_wandb=False,
+                            max_token_length=256, max_num_workers=4, steps_per_eval=0,
+                            total_steps=1000)
+        server = APIServerConfig(server_type="openai", model_name="tiny", api_key="x",
+                                 num_requests_for_eval=1)
+        return env, [server]
+
+    async def setup(self):
+        pass
+
+    async def evaluate(self, *args, **kwargs):
+        pass
+
+    async def get_next_item(self):
+        return {"question": "Write many e letters."}
+
+    async def collect_trajectory(self, item):
+        messages = [{"role": "user", "content": item["question"]}]
+        completion = await self.server.chat_completion(messages=messages, n=1, max_tokens=24,
+                                                       temperature=1.0)
+        answer = completion.choices[0].message.content or ""
+        tokens, masks = tokenize(self.tokenizer,
+                                 messages + [{"role": "assistant", "content": answer}])
+        score = answer.count("e") / max(1, len(answer)) + 0.01 * len(answer)
+        return ScoredDataItem(tokens=tokens, masks=masks, scores=score), []
+
+
+if __name__ == "__main__":
+    LetterEDefaultsEnv.cli()
+'''
+
 LACHESIS_ENV = '''
 from environments import BaseEnv, TurnLevelRewardMixin
 
@@ -325,3 +379,74 @@ def test_an_atropos_envs_hermes_tool_call_is_parsed_in_the_projects_venv(tiny_mo
     assert result["finish"] == "tool_calls"
     assert result["calls"] == [["add", {"a": 2, "b": 3}]]
     assert not [w for w in result["warnings"] if "not installed" in w], result["warnings"]
+
+
+def test_an_atroposlib_env_without_logprobs_is_trained_by_lachesis_train(tiny_model_dir,
+                                                                         tmp_path):
+    """Without a vLLM server: an atroposlib env written with the library's defaults
+    (``collect_trajectory`` returning a tokenized chat, the default
+    ``collect_trajectories``, ``handle_send_to_api``; no
+    ``inference_logprobs``) sends 4 groups to ``lachesis api``; ``lachesis train`` trains
+    2 steps on them, none set aside, with its own logprobs at each batch's start as
+    pi_old."""
+    import asyncio
+    import random
+
+    from atroposlib.envs.base import BaseEnv, BaseEnvConfig, ScoredDataItem, ServerBaseline
+
+    from conftest import running_api
+
+    namespace: dict = {}
+    exec(DEFAULTS_ATROPOS_ENV, namespace)  # its tokenize(), as the env file has it
+    tokenize = namespace["tokenize"]
+
+    words = ["tree", "eel", "sun", "bee", "cat", "seed", "dog", "green"]
+
+    class WordsEnv(BaseEnv):
+        async def setup(self):
+            pass
+
+        async def evaluate(self, *args, **kwargs):
+            pass
+
+        async def get_next_item(self):
+            return {"question": "Write many e letters."}
+
+        async def collect_trajectory(self, item):
+            answer = " ".join(self.rng.choice(words) for _ in range(self.rng.randint(1, 6)))
+            chat = [{"role": "user", "content": item["question"]},
+                    {"role": "assistant", "content": answer}]
+            tokens, masks = tokenize(self.tokenizer, chat)
+            return ScoredDataItem(tokens=tokens, masks=masks,
+                                  scores=answer.count("e") / len(answer)), []
+
+    async def scenario():
+        async with running_api() as (url, api):
+            config = BaseEnvConfig(tokenizer_name=str(tiny_model_dir), use_wandb=False,
+                                   wandb_name="words", group_size=4, rollout_server_url=url)
+            env = WordsEnv(config, ServerBaseline(), testing=True)
+            env.rng = random.Random(0)
+            await env.register_env()
+            env.max_token_len = 1024
+            for _ in range(4):
+                group, _ = await env.collect_trajectories(await env.get_next_item())
+                assert "inference_logprobs" not in group or not group["inference_logprobs"]
+                await env.handle_send_to_api(group)
+            trainer = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "lachesis.cli", "train", "--model", str(tiny_model_dir),
+                "--api-url", url, "--batch-size", "8", "--steps", "2", "--lr", "1e-3",
+                "--tensorboard", "false", "--run-dir", str(tmp_path / "run"), cwd=REPO,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(trainer.communicate(), 300)
+            return trainer.returncode, out.decode(), err.decode(), api.status()
+
+    code, out, err, status = run(scenario())
+    assert code == 0, err[-3000:]
+    summary = json.loads(out[out.index("\n{") + 1:])
+    assert summary["last_step"] == 2 and summary["alignment_skipped_sequences"] == 8
+    assert "skipping 8 sequences without inference_logprobs" in err
+    steps = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
+    assert [m["groups"] for m in steps] == [2, 2]
+    assert all(m["groups_set_aside"] == 0 and m["sequences_without_behaviour_logprobs"] == 8
+               and m["grad_norm"] > 0 and m["mismatch_kl"] == 0.0 for m in steps), steps
+    assert status["dead_letters"] == 0 and status["counters"]["acked_groups"] == 4
