@@ -78,6 +78,7 @@ async def reload_original(server) -> None:
     the trainer's own checkpoint writer: an in-place reload needs the tied
     ``lm_head.weight`` in the checkpoint, which a plain ``save_pretrained`` leaves out
     (trainer/vllm_sync.py, ``write_tied_weights``)."""
+    import aiohttp
     from transformers import AutoModelForCausalLM
 
     from trainer.vllm_sync import VLLMWeightSync
@@ -87,6 +88,9 @@ async def reload_original(server) -> None:
     if not path.exists():
         sync.save(AutoModelForCausalLM.from_pretrained(server.model_dir), None, 0)
     await sync.reload(path)
+    # the label the server started with: its tokens carry the version an env knows again
+    async with aiohttp.ClientSession() as session:
+        await sync.label(session, server.url, "default")
 
 
 def restore_weights(server) -> None:

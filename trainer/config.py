@@ -160,6 +160,13 @@ class TrainConfig(BaseModel):
     """Extra arguments for the launched vLLM server."""
     sync_every: int = Field(default=1, ge=1)
     """Sync weights into vLLM (and post the new policy version) every N steps."""
+    sync_pause: Literal["keep", "wait", "abort"] = "keep"
+    """How a full-weight sync treats requests running on a server (docs/weight-sync.md):
+    ``keep`` freezes them, loads the weights and lets them go on with the new ones (the
+    sync does not wait for the longest generation; vLLM 0.32+, else ``wait``); ``wait``
+    lets them finish first; ``abort`` ends them and the envs continue them on the new
+    weights. Every token keeps the logprob of the weights that sampled it. LoRA syncs
+    never pause."""
     weight_sync: Literal["auto", "transfer", "disk", "lora"] = "auto"
     """How new weights reach vLLM: auto, transfer, disk or lora (docs/weight-sync.md).
     ``disk``: a HF checkpoint that vLLM re-reads; ``transfer``: in memory through vLLM's

@@ -2,13 +2,36 @@
 (``weight_sync``):
 
 - ``disk``: save the weights as a HF checkpoint directory, then, for every server,
-  ``POST /pause`` (finish in-flight requests, hold new ones), ``POST /collective_rpc
-  {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``, ``POST /resume``. The
-  servers must run with ``VLLM_SERVER_DEV_MODE=1`` (which exposes ``/collective_rpc``).
+  ``POST /pause`` (see below), ``POST /collective_rpc {"method": "reload_weights",
+  "kwargs": {"weights_path": DIR}}``, ``POST /resume``. The servers must run with
+  ``VLLM_SERVER_DEV_MODE=1`` (which exposes ``/collective_rpc``).
 - ``transfer``: the same pause and resume around an in-memory transfer through vLLM's
   weight-transfer API (:mod:`trainer.vllm_transfer`); disk is its fallback.
 - ``lora``: only a LoRA adapter trains; it is hot-loaded under a versioned name
-  (:mod:`trainer.lora`) and the rollouts switch to that name.
+  (:mod:`trainer.lora`) and the rollouts switch to that name. Nothing pauses: a running
+  request finishes on the adapter it named.
+
+How a server pauses (``sync_pause``, :class:`PauseMode`):
+
+- ``keep`` (default): ``POST /pause?mode=keep&clear_cache=false`` freezes running
+  requests where they are (the pause returns at once, whatever is generating); once the
+  new weights are in, the frozen requests are preempted (``POST
+  /reset_prefix_cache?reset_running_requests=true``), which also empties the prefix cache,
+  and after ``/resume`` they recompute their KV cache with the new weights and go on
+  sampling. So every token after the update is sampled by exactly the new weights (no
+  key/value computed by the old ones: neither a frozen request's own nor a cached
+  prefix), and every token keeps the logprob of the weights that sampled it, which is
+  what the importance ratio needs. A server that refuses ``keep`` (vLLM before 0.32) is
+  paused with ``wait`` from then on.
+- ``wait``: running requests finish first (the sync waits for the longest generation in
+  flight); the KV and prefix caches are cleared after them.
+- ``abort``: running requests end at once with finish reason ``abort`` and the tokens
+  sampled so far; the env's client continues each on the new weights
+  (:mod:`environments.inference.vllm_client`).
+
+Every full-weight update is labelled on the server with its policy version (``POST
+/update_weight_version``), so a request says which weights sampled which of its tokens
+(vLLM's ``weight_versions``, read by the env's client).
 
 ``auto`` is ``lora`` with a ``lora`` section, else ``transfer`` where a server accepts it
 and ``disk`` where it does not. After every server has the new weights, the caller posts
@@ -25,7 +48,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import torch
@@ -38,7 +61,10 @@ log = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        """The HTTP status the server answered, when it answered."""
 
 
 SYNC_ERRORS = (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -82,13 +108,26 @@ def write_tied_weights(path: Path, state: dict[str, Any]) -> list[str]:
     return sorted(missing)
 
 
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+def path_version(path: Path) -> int | None:
+    """The policy version of a weights directory written by :meth:`VLLMWeightSync.save`
+    (``v000007`` -> 7)."""
+    digits = path.name[1:].split("-")[0]
+    return int(digits) if path.name.startswith("v") and digits.isdigit() else None
+
+
 class VLLMWeightSync:
     def __init__(self, urls: list[str], weights_dir: str | Path, *, timeout_s: float = 300.0,
-                 keep: int = 2):
+                 keep: int = 2, pause: PauseMode = "keep"):
         self.urls = [u.rstrip("/") for u in urls]
         self.weights_dir = Path(weights_dir)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.keep = keep
+        self.pause_mode = pause
+        self.waits: set[str] = set()
+        """Servers that refused ``keep``: paused with ``wait``."""
 
     def save(self, model: Any, tokenizer: Any, version: int,
              weights: dict[str, Any] | None = None) -> Path:
@@ -112,8 +151,59 @@ class VLLMWeightSync:
         async with session.post(url, json=json) as response:
             text = await response.text()
             if response.status >= 400:
-                raise WeightSyncError(f"POST {url} -> {response.status}: {text[:500]}")
+                raise WeightSyncError(f"POST {url} -> {response.status}: {text[:500]}",
+                                      response.status)
             return text
+
+    def mode(self, url: str) -> PauseMode:
+        return "wait" if self.pause_mode == "keep" and url in self.waits else self.pause_mode
+
+    async def pause(self, session: aiohttp.ClientSession, url: str) -> None:
+        """Pause one server for a weight update (``sync_pause``, see the module doc)."""
+        if self.mode(url) == "keep":
+            try:
+                await self._post(session, f"{url}/pause?mode=keep&clear_cache=false")
+                return
+            except WeightSyncError as error:
+                if error.status not in (400, 422):
+                    raise
+                log.warning("%s refused to pause with mode=keep (%s): its weight syncs wait "
+                            "for running requests to finish", url, error)
+                self.waits.add(url)
+        await self._post(session, f"{url}/pause?mode={self.mode(url)}")
+
+    async def resume(self, session: aiohttp.ClientSession, url: str,
+                     version: int | None) -> None:
+        """Label the server's new weights with ``version``, drop what the old weights
+        computed (``keep``: the frozen requests' KV and the prefix cache), resume."""
+        if version is not None:
+            await self.label(session, url, version)
+        if self.mode(url) == "keep":
+            try:
+                await self._post(session,
+                                 f"{url}/reset_prefix_cache?reset_running_requests=true")
+            except WeightSyncError as error:
+                if error.status != 404:
+                    raise
+                # (a server without VLLM_SERVER_DEV_MODE): the frozen requests go on with
+                # their old KV; their tokens' logprobs are still the ones they were
+                # sampled with
+                log.warning("%s has no /reset_prefix_cache: requests that ran across the "
+                            "update keep the KV cache of the old weights", url)
+        await self._post(session, f"{url}/resume")
+
+    async def label(self, session: aiohttp.ClientSession, url: str,
+                    version: int | str) -> None:
+        """Name the weights ``url`` serves ``version`` (vLLM's weight version, which it
+        reports per token to the env's client)."""
+        try:
+            await self._post(session, f"{url}/update_weight_version",
+                             {"new_version": str(version)})
+        except WeightSyncError as error:
+            if error.status != 404:
+                raise
+            # a vLLM before 0.32: its tokens carry the version the envs know
+            log.warning("%s cannot label its weights (no /update_weight_version)", url)
 
     async def reload_paused(self, session: aiohttp.ClientSession, url: str, path: Path) -> None:
         """Load ``path`` into one server that is paused already."""
@@ -125,11 +215,11 @@ class VLLMWeightSync:
         started = time.monotonic()
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             async def one(url: str) -> None:
-                await self._post(session, f"{url}/pause?mode=wait")
+                await self.pause(session, url)
                 # A failed reload may leave part of the new weights: the server stays
                 # paused (it serves nothing) and the error goes up.
                 await self.reload_paused(session, url, path)
-                await self._post(session, f"{url}/resume")
+                await self.resume(session, url, path_version(path))
 
             await asyncio.gather(*(one(u) for u in urls or self.urls))
         return time.monotonic() - started
@@ -242,6 +332,8 @@ class PolicyServers:
         self.lora = None
         self.model_name: str | None = None
         self.checked = False
+        self.busy = None
+        """Samples how busy the servers are (``vllm_busy_fraction`` after each sync)."""
         self.behind: set[str] = set()
         """Supervised servers (``vllm_supervised``) that missed a sync: each is loaded
         with the newest weights once it answers again."""
@@ -263,7 +355,11 @@ class PolicyServers:
             urls.append(await asyncio.to_thread(self.managed.start))
         if not urls:
             return
-        self.sync = VLLMWeightSync(urls, self.run_dir / "weights")
+        self.sync = VLLMWeightSync(urls, self.run_dir / "weights",
+                                   pause=self.config.sync_pause)
+        from trainer.vllm_busy import BusySampler
+
+        self.busy = BusySampler(self.urls).start()
         if self.method == "transfer":
             from trainer.vllm_transfer import ServerTransfer, transfer_backend
 
@@ -335,6 +431,13 @@ class PolicyServers:
         if not await asyncio.to_thread(self.managed.ensure_running, self.latest, force):
             return False
         url = self.managed.url
+        if self.latest is not None and self.lora is None \
+                and (version := path_version(self.latest)) is not None:
+            try:
+                async with aiohttp.ClientSession(timeout=self.sync.timeout) as session:
+                    await self.sync.label(session, url, version)
+            except SYNC_ERRORS as error:  # its tokens then carry the envs' version
+                log.warning("could not label %s's weights v%d: %s", url, version, error)
         if url in self.transfers:  # its workers are new: a new handshake
             self.transfers[url].close()
             self.disk_only.discard(url)
@@ -387,6 +490,8 @@ class PolicyServers:
                 await self._restart(force=True)
             values["vllm_restarts"] = self.managed.restarts
         values["sync_seconds"] = time.monotonic() - started
+        if self.busy is not None and (busy := self.busy.take()) is not None:
+            values["vllm_busy_fraction"] = busy  # since the previous sync
         if self.check_sync and (not self.checked or self.config.check_sync_every):
             values["sync_check_mean_abs_diff"] = await self.verify(
                 model, len(tokenizer) if tokenizer is not None else None)
@@ -416,7 +521,7 @@ class PolicyServers:
 
         async with aiohttp.ClientSession(timeout=self.sync.timeout) as session:
             async def one(url: str) -> None:
-                await self.sync._post(session, f"{url}/pause?mode=wait")
+                await self.sync.pause(session, url)
                 if url not in self.disk_only:
                     try:
                         await asyncio.to_thread(self.transfers[url].send, state)
@@ -431,11 +536,11 @@ class PolicyServers:
                         values["sync_fallbacks"] = values.get("sync_fallbacks", 0) + 1
                         self.transfers[url].close()
                     else:
-                        await self.sync._post(session, f"{url}/resume")
+                        await self.sync.resume(session, url, version)
                         return
                 # The server is still paused: it resumes only with the whole new weights.
                 await self.sync.reload_paused(session, url, await on_disk())
-                await self.sync._post(session, f"{url}/resume")
+                await self.sync.resume(session, url, version)
 
             await asyncio.gather(*(one(u) for u in urls or self.urls))
 
@@ -482,6 +587,8 @@ class PolicyServers:
                 return (await response.json())["data"][0]["id"]
 
     async def stop(self) -> dict[str, Any]:
+        if self.busy is not None:
+            self.busy.stop()
         for transfer in self.transfers.values():
             await asyncio.to_thread(transfer.close)
         if self.managed is None:

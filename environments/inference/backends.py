@@ -92,7 +92,7 @@ class VLLMBackend:
         ended_with_eos = stopped and ids[-1] == self.renderer.tokenizer.eos_token_id
         text = self.renderer.decode(ids[:-1] if stopped else ids)
         return GeneratedTurn(ids, completion.logprobs, text, completion.finish_reason,
-                             ended_with_eos)
+                             ended_with_eos, weight_versions=completion.weight_versions)
 
 
 class OpenAIBackend:

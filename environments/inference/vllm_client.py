@@ -1,8 +1,17 @@
 """Token-in/token-out completions from one or several vLLM servers.
 
-Each request sends the prompt as token ids to ``/v1/completions`` with
-``return_token_ids: true`` and ``logprobs: 0``; the sampled ids and their logprobs are
-kept exactly as vLLM returned them.
+Each request sends the prompt as token ids to ``/inference/v1/generate`` (vLLM 0.32's
+token-in/token-out route, served with ``--enable-scale-out``), or to ``/v1/completions``
+with ``return_token_ids: true`` and ``logprobs: 0`` where a server lacks that route; the
+sampled ids and their logprobs are kept exactly as vLLM returned them. The generate route
+also says which weights sampled which tokens (``weight_versions``: the label the trainer
+gives each weight update, see trainer/vllm_sync.py), so a turn that runs across an
+in-flight weight update (``sync_pause: keep``) records where the new weights took over.
+
+A request that a weight update aborted (``sync_pause: abort``: finish reason ``abort``)
+is continued: the tokens sampled so far are appended to the prompt and the rest is
+sampled, after the update, by the new weights; the continuation's tokens carry the new
+version.
 
 Routing: a request goes to the healthy server with the fewest requests in flight (ties
 broken round-robin). A server that fails (connection error, timeout, 5xx) is marked
@@ -50,6 +59,10 @@ class Completion:
     stop_reason: int | str | None
     """The stop token id or stop string that ended the turn, when vLLM says."""
     server: str
+    weight_versions: list[tuple[str, int, int]] | None = None
+    """``(label, start, end)``: the tokens ``[start, end)`` of ``token_ids`` were sampled
+    by the weights labelled ``label`` (vLLM's weight version: ``"default"`` until the
+    trainer labels an update); None when the server does not say (``/v1/completions``)."""
 
 
 @dataclass
@@ -63,6 +76,9 @@ class ServerState:
     max_model_len: int | None = None
     """The longest sequence (prompt plus completion) it serves, as its ``/v1/models``
     said at start (vLLM reports it; None: not said, or the server was down)."""
+    generate: bool = False
+    """It serves ``/inference/v1/generate`` (vLLM started with ``--enable-scale-out``),
+    which reports the weight version of each token; else ``/v1/completions``."""
 
 
 @dataclass
@@ -71,6 +87,9 @@ class PoolStats:
     retries: int = 0
     failures: int = 0
     completion_tokens: int = 0
+    continued: int = 0
+    """Requests that a weight update aborted (``sync_pause: abort``) and that were
+    continued on the new weights."""
 
 
 class VLLMServerPool:
@@ -115,6 +134,9 @@ class VLLMServerPool:
             raise InferenceError("no inference server is healthy: " + "; ".join(
                 f"{s.url}: {s.last_error}" for s in self.servers))
         listed = await asyncio.gather(*(self._models(s) for s in healthy))
+        routes = await asyncio.gather(*(self._has_generate(s) for s in healthy))
+        for server, has in zip(healthy, routes):
+            server.generate = has
         if self.model is None:
             first = next((models for models in listed if models), None)
             if first is None:
@@ -139,6 +161,18 @@ class VLLMServerPool:
             return []
         models = data.get("data") if isinstance(data, dict) else None
         return [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+
+    async def _has_generate(self, server: ServerState) -> bool:
+        """Whether ``server`` serves ``/inference/v1/generate`` (listed in its OpenAPI
+        schema; vLLM lists it only when it is enabled)."""
+        try:
+            async with self.session.get(server.url + "/openapi.json",
+                                        timeout=aiohttp.ClientTimeout(total=30)) as response:
+                data = await response.json(content_type=None) if response.status == 200 \
+                    else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return False
+        return isinstance(data, dict) and GENERATE_ROUTE in (data.get("paths") or {})
 
     @property
     def context_limits(self) -> dict[str, int | None]:
@@ -216,13 +250,24 @@ class VLLMServerPool:
     # -- completions -------------------------------------------------------------------
     async def complete(self, prompt_ids: list[int], *, max_tokens: int,
                        sampling: dict[str, Any] | None = None) -> Completion:
-        """Sample one continuation of ``prompt_ids``."""
-        payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                   **(sampling or {}), "logprobs": 0, "return_token_ids": True, "n": 1,
-                   "stream": False}
+        """Sample one continuation of ``prompt_ids``; a request that a weight update
+        aborted is continued from where it stopped (see the module doc)."""
+        self.stats.requests += 1
+        done = await self._request(prompt_ids, max_tokens, sampling)
+        stalled = 0  # continuations in a row that got no token (aborted again at once)
+        while done.finish_reason == "abort" and len(done.token_ids) < max_tokens \
+                and stalled < MAX_STALLED_CONTINUATIONS:
+            self.stats.continued += 1
+            more = await self._request(prompt_ids + done.token_ids,
+                                       max_tokens - len(done.token_ids), sampling)
+            stalled = 0 if more.token_ids else stalled + 1
+            done = join_completions(done, more)
+        return done
+
+    async def _request(self, prompt_ids: list[int], max_tokens: int,
+                       sampling: dict[str, Any] | None) -> Completion:
         tried: set[str] = set()
         last_error = "no attempt"
-        self.stats.requests += 1
         for attempt in range(self.retries + 1):
             if attempt:
                 self.stats.retries += 1
@@ -237,9 +282,18 @@ class VLLMServerPool:
             tried.add(server.url)
             server.in_flight += 1
             server.requests += 1
+            if server.generate:
+                route = GENERATE_ROUTE
+                payload = {"model": self.model, "token_ids": prompt_ids,
+                           "sampling_params": {**(sampling or {}), "max_tokens": max_tokens,
+                                               "logprobs": 0, "n": 1}}
+            else:
+                route = "/v1/completions"
+                payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                           **(sampling or {}), "logprobs": 0, "return_token_ids": True,
+                           "n": 1, "stream": False}
             try:
-                async with self.session.post(server.url + "/v1/completions",
-                                             json=payload) as response:
+                async with self.session.post(server.url + route, json=payload) as response:
                     data = await response.json(content_type=None)
                     if response.status >= 500:
                         raise _ServerFault(f"{response.status}: {data}")
@@ -271,13 +325,20 @@ class VLLMServerPool:
         if token_ids is None:
             raise InferenceError(f"{url} returned no token_ids: is it vLLM >= 0.10 "
                                  "(return_token_ids)?")
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        logprobs = choice.get("logprobs") or {}
+        if "content" in logprobs:  # the generate route: one entry per sampled token
+            logprobs = [entry["logprob"] for entry in logprobs["content"] or []]
+        else:
+            logprobs = logprobs.get("token_logprobs")
         if logprobs is None or len(logprobs) != len(token_ids):
             raise InferenceError(f"{url} returned {len(logprobs or [])} logprobs for "
                                  f"{len(token_ids)} tokens")
         self.stats.completion_tokens += len(token_ids)
+        spans = choice.get("weight_versions")
         return Completion(list(token_ids), [float(x) for x in logprobs],
-                          choice.get("finish_reason") or "stop", choice.get("stop_reason"), url)
+                          choice.get("finish_reason") or "stop", choice.get("stop_reason"), url,
+                          [(str(v["version"]), int(v["start"]), int(v["end"])) for v in spans]
+                          if spans else None)
 
     def describe(self) -> dict[str, Any]:
         return {s.url: {"healthy": s.healthy, "in_flight": s.in_flight,
@@ -287,3 +348,22 @@ class VLLMServerPool:
 
 class _ServerFault(Exception):
     pass
+
+
+GENERATE_ROUTE = "/inference/v1/generate"
+MAX_STALLED_CONTINUATIONS = 16
+"""An aborted request is continued until this many continuations in a row got no token;
+then the turn ends as vLLM ended it (finish reason ``abort``)."""
+
+
+def join_completions(first: Completion, then: Completion) -> Completion:
+    """``first`` (aborted by a weight update) followed by its continuation ``then``; the
+    continuation's version spans move past ``first``'s tokens. Spans are known only when
+    both say them."""
+    n = len(first.token_ids)
+    spans = None
+    if first.weight_versions is not None and then.weight_versions is not None:
+        spans = list(first.weight_versions) + [(v, s + n, e + n)
+                                                for v, s, e in then.weight_versions]
+    return Completion(first.token_ids + then.token_ids, first.logprobs + then.logprobs,
+                      then.finish_reason, then.stop_reason, then.server, spans)

@@ -127,6 +127,10 @@ class VLLMProcess:
                "--served-model-name", self.model_name]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if "--enable-scale-out" not in self.extra_args:
+            # /inference/v1/generate: token-in/token-out that says which weight version
+            # sampled each token (environments/inference/vllm_client.py)
+            cmd.append("--enable-scale-out")
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:

@@ -1,0 +1,135 @@
+"""In-flight weight updates (``sync_pause: keep``) on the real vLLM CPU server: a long
+generation that runs across a weight sync is not waited for, it goes on under the new
+weights, and every token keeps the logprob of the weights that sampled it, as the
+trainer recomputes it from each checkpoint; the trajectory says where the new weights
+took over, and ``lachesis train --check`` passes on it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import torch
+from test_trainer import LetterEEnv, hf_logprobs
+from transformers import AutoModelForCausalLM
+
+from environments import EnvConfig
+from environments.jsonl_store import read_groups
+from trainer.versions import token_versions
+from trainer.vllm_busy import BusySampler
+from trainer.vllm_sync import VLLMWeightSync
+from vllm_fixture import reload_original
+
+pytestmark = pytest.mark.vllm
+
+LONG = 2000
+"""Tokens of the long turn: several seconds of generation on the tiny model here."""
+
+
+def perturbed(model_dir, scale=0.05):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+    return model
+
+
+def test_a_generation_spanning_a_keep_sync_continues_on_the_new_weights(vllm_server,
+                                                                          tmp_path):
+    """The env's rollout (one long turn) is in flight when the trainer syncs version 1
+    with ``keep``: the sync returns long before the turn ends; the turn's first tokens
+    are version 0's and carry model A's logprobs, the rest version 1's and carry model
+    B's (recomputed from the whole prefix: no key/value of A's survives the update)."""
+    model_a = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
+    model_b = perturbed(vllm_server.model_dir)
+    sync = VLLMWeightSync([vllm_server.url], tmp_path / "weights", pause="keep")
+    path_b = sync.save(model_b, None, 1)
+    out = tmp_path / "groups.jsonl"
+    config = EnvConfig(tokenizer=str(vllm_server.model_dir),
+                       inference_servers=[vllm_server.url], group_size=2, max_turns=1,
+                       max_tokens_per_turn=LONG, max_token_length=LONG + 64,
+                       sampling_extra={"ignore_eos": True})
+
+    async def generated_tokens(session) -> float:
+        async with session.get(vllm_server.url + "/metrics") as response:
+            text = await response.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:generation_tokens_total"))
+
+    async def scenario():
+        env = LetterEEnv(config)
+        await env.start()
+        try:
+            assert all(s.generate for s in env._pool.servers)  # the route that says versions
+            await env._pool.complete([5, 6, 7], max_tokens=8)  # (a first request is slow)
+            busy = BusySampler([vllm_server.url], interval_s=0.1).start()
+            async with aiohttp.ClientSession() as session:
+                before = await generated_tokens(session)
+                rollouts = asyncio.ensure_future(env.process(out, 1))
+                # both turns are well under way (a few hundred tokens between them)
+                deadline = time.monotonic() + 120
+                while await generated_tokens(session) - before < 300:
+                    assert time.monotonic() < deadline and not rollouts.done()
+                    await asyncio.sleep(0.05)
+            assert not rollouts.done()
+            started = time.monotonic()
+            seconds = await sync.reload(path_b)
+            synced_at = time.monotonic()
+            await rollouts
+            after = time.monotonic() - synced_at
+            generating = busy.take()  # vLLM's busy share while the rollouts ran
+            await asyncio.sleep(1.0)
+            idle = busy.take()
+            busy.stop()
+            assert generating > 0.8 and idle == 0.0, (generating, idle)
+            return seconds, synced_at - started, after
+        finally:
+            await env.close()
+
+    try:
+        seconds, _, generated_after = asyncio.run(scenario())
+    finally:
+        asyncio.run(reload_original(vllm_server))
+    # the sync did not wait for the generations: they went on for a while after it
+    assert generated_after > 3 * seconds, (seconds, generated_after)
+
+    group = next(iter(read_groups(out)))
+    for t in group.trajectories:
+        (start, end), = t.turn_spans
+        assert end - start == LONG  # kept whole
+        spans = t.metadata["turns"][0]["version_spans"]
+        assert t.turn_policy_versions == [0] and t.policy_version == 0  # the oldest
+        assert [v for _, _, v in spans] == [0, 1]
+        (s0, e0, _), (s1, e1, _) = spans
+        assert s0 == start and e0 == s1 and e1 == end and start < s1 < end
+        versions = token_versions(t)
+        assert versions[start:end] == [0] * (s1 - start) + [1] * (end - s1)
+        recorded = torch.tensor(t.inference_logprobs)
+        with torch.no_grad():
+            a = hf_logprobs(model_a, t.tokens)  # a[i] is the logprob of token i + 1
+            b = hf_logprobs(model_b, t.tokens)
+        before, after = slice(start - 1, s1 - 1), slice(s1 - 1, end - 1)
+        assert (a[before] - recorded[start:s1]).abs().mean() < 1e-3
+        assert (b[after] - recorded[s1:end]).abs().mean() < 1e-3
+        # and the other checkpoint would not explain them: the update mattered
+        assert (b[before] - recorded[start:s1]).abs().mean() > 1e-2
+        assert (a[after] - recorded[s1:end]).abs().mean() > 1e-2
+
+    # the trainer's step-0 check (weights of version 0) compares the version-0 tokens
+    run = subprocess.run(
+        [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
+         str(vllm_server.model_dir), "--data", str(out), "--batch-size", "2",
+         "--run-dir", str(tmp_path / "run"), "--tensorboard", "false"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout[run.stdout.index("{"):])
+    compared = sum(spans[0][1] - spans[0][0] for spans in
+                   (t.metadata["turns"][0]["version_spans"] for t in group.trajectories))
+    assert summary["alignment_mean_abs_diff"] < 1e-3
+    assert summary["alignment_compared_tokens"] == compared
