@@ -429,3 +429,16 @@ def test_sequences_without_behaviour_logprobs_train_against_the_weights_at_the_b
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert results[0]["mismatch_kl"] == 0.0 and results[0]["tis_weight_mean"] == 1.0
     assert results[0]["grad_norm"] > 0
+
+
+def test_each_steps_mix_of_envs_is_in_its_metrics():
+    from conftest import make_group
+    from trainer.config import TrainConfig
+    from trainer.sources import Batch
+    from trainer.train import batch_tensors
+
+    groups = [make_group(2, seed=s) for s in range(4)]
+    for group, env in zip(groups, ["heavy", "heavy", "heavy", None]):
+        group.env, group.env_id = env, 7
+    _, stats = batch_tensors(Batch(groups), TrainConfig(model="m", batch_size=8), 263, 0)
+    assert (stats["mix/heavy"], stats["mix/env_id_7"]) == (3, 1)
