@@ -398,3 +398,16 @@ def test_reaper_removes_what_a_killed_process_left(make_config, sandbox_root):
     assert not host_processes_mentioning(marker)
     if sandbox_root.exists():
         assert not any(sandbox_id in p.name for p in sandbox_root.iterdir())
+
+
+def test_a_command_ended_by_a_signal_says_so():
+    from environments.sandbox.base import ExecResult
+
+    def ended(code):
+        return ExecResult(code, "", "", 0.1).how_it_ended
+
+    assert ended(1) == "exited with 1" and ended(0) == "exited with 0"
+    assert ended(-9) == "was killed by signal 9 (SIGKILL)"  # Python's status
+    assert ended(137) == "was killed by signal 9 (SIGKILL), exit status 137"  # a shell's
+    assert ended(247) == "was killed by signal 9 (SIGKILL), exit status 247"  # -9 as a byte
+    assert ended(None) == "was killed"

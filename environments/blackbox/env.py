@@ -235,12 +235,12 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
                              f"({self.config.agent_timeout_s:g} s) and was killed")
         if not state.turns:
             stats.no_model_calls += 1
-            raise AgentError(f"item {item_id}: the agent exited ({result.exit_code}) without "
+            raise AgentError(f"item {item_id}: the agent {result.how_it_ended} without "
                              f"calling the model; stderr: {result.stderr[-500:].strip()!r}")
         if result.exit_code != 0:
             if rollout.limit is None:
                 stats.crashes += 1
-                raise AgentError(f"item {item_id}: the agent exited with {result.exit_code}; "
+                raise AgentError(f"item {item_id}: the agent {result.how_it_ended}; "
                                  f"stderr: {result.stderr[-500:].strip()!r}")
             stats.limit_exits += 1
 

@@ -26,6 +26,8 @@ all: it is in the :class:`ExecResult`.
 
 from __future__ import annotations
 
+import signal
+
 import abc
 import asyncio
 import logging
@@ -143,6 +145,25 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out and not self.output_truncated
+
+    @property
+    def how_it_ended(self) -> str:
+        """``exited with 1``, or, for a status that says a signal ended the command,
+        ``killed by signal 9 (SIGKILL)``: a negative status (Python's), 128 + N (a shell's,
+        bwrap's, docker's) or 256 - N (a negative status seen as a byte)."""
+        code = self.exit_code
+        if code is None:
+            return "was killed"
+        signal_number = -code if code < 0 else code - 128 if 128 < code <= 128 + 64 \
+            else 256 - code if 256 - 64 <= code < 256 else None
+        if signal_number is None:
+            return f"exited with {code}"
+        try:
+            name = f" ({signal.Signals(signal_number).name})"
+        except ValueError:
+            name = ""
+        raw = "" if code < 0 else f", exit status {code}"
+        return f"was killed by signal {signal_number}{name}{raw}"
 
     def describe(self, max_chars: int = 4000) -> str:
         """A compact text for a model: output, then what went wrong, if anything."""
