@@ -358,17 +358,23 @@ with warnings.catch_warnings(record=True) as caught:
     content, calls, finish = translator.parse_model_output(
         'Adding. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
         tools=tools)
+    from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    tokenized = tokenize_for_trainer(translator.tokenizer, chat)
 print(json.dumps({"finish": finish, "calls": [[c.function.name, json.loads(c.function.arguments)]
                                               for c in calls or []],
-                  "warnings": [str(w.message) for w in caught]}))
+                  "warnings": [str(w.message) for w in caught],
+                  "tokens": tokenized["tokens"], "masks": tokenized["masks"]}))
 '''
 
 
 def test_an_atropos_envs_hermes_tool_call_is_parsed_in_the_projects_venv(tiny_model_dir,
                                                                         tmp_path):
-    """atroposlib 0.4.0 imports a vLLM module that vLLM 0.32 moved; loaded by
-    ``lachesis env ...`` / ``lachesis run``, an atroposlib env gets its tool calls parsed
-    by vLLM's hermes parser, and no "vLLM is not installed" warning."""
+    """atroposlib 0.4.0 imports a vLLM module that vLLM 0.32 moved, and its
+    ``tokenize_for_trainer`` expects transformers 4; loaded by ``lachesis env ...`` /
+    ``lachesis run``, an atroposlib env gets its tool calls parsed by vLLM's hermes
+    parser (no "vLLM is not installed" warning) and token ids from
+    ``tokenize_for_trainer``."""
     env_file = tmp_path / "tool_env.py"
     env_file.write_text(TOOL_ENV)
     done = subprocess.run([sys.executable, "-c", PARSE_TOOL_CALL, f"{env_file}:ToolEnv",
@@ -379,6 +385,15 @@ def test_an_atropos_envs_hermes_tool_call_is_parsed_in_the_projects_venv(tiny_mo
     assert result["finish"] == "tool_calls"
     assert result["calls"] == [["add", {"a": 2, "b": 3}]]
     assert not [w for w in result["warnings"] if "not installed" in w], result["warnings"]
+    # and its tokenize_for_trainer gives token ids, as before transformers 5
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    tokens = tokenizer.apply_chat_template(chat, return_dict=False)
+    prefix = len(tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True,
+                                               return_dict=False))
+    assert result["tokens"] == tokens and result["masks"] == [-100] * prefix + tokens[prefix:]
 
 
 def test_an_atroposlib_env_without_logprobs_is_trained_by_lachesis_train(tiny_model_dir,
