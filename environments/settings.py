@@ -3,6 +3,8 @@ CLI flags > YAML file > class defaults."""
 
 from __future__ import annotations
 
+import hmac
+import os
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,3 +26,28 @@ def load_settings(model: type[Settings], path: str | Path | None, section: str |
         values = dict(loaded.get(section, loaded))
     values.update({k: v for k, v in overrides.items() if v is not None})
     return model.model_validate(values)
+
+
+# -- the run's token -------------------------------------------------------------------
+TOKEN_VARIABLE = "LACHESIS_API_TOKEN"
+"""The environment variable holding the run's secret: ``lachesis run`` makes one per run
+(or takes the user's from this variable) and hands it to every process it starts, which
+send it as ``Authorization: Bearer TOKEN`` to the rollout API, the vLLM servers and the
+Atropos bridge; each refuses a request without it (docs/security.md)."""
+
+
+def run_token() -> str | None:
+    """The run's token from the environment (None when unset or empty)."""
+    return os.environ.get(TOKEN_VARIABLE) or None
+
+
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The ``Authorization`` header that carries ``token`` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def token_matches(authorization: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer TOKEN``, compared in
+    constant time."""
+    expected = f"Bearer {token}".encode()
+    return hmac.compare_digest((authorization or "").encode(), expected)

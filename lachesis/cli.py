@@ -24,7 +24,8 @@ def _add_api(subparsers: argparse._SubParsersAction) -> None:
                    help="keep the queue in memory only: a restart loses it")
     p.add_argument("--synchronous", choices=["FULL", "NORMAL"],
                    help="SQLite sync level: FULL survives power loss, NORMAL process crashes")
-    p.add_argument("--token", help="bearer token required on every endpoint (or LACHESIS_API_TOKEN)")
+    p.add_argument("--token", help="bearer token required on every endpoint but /health; "
+                   "prefer LACHESIS_API_TOKEN (a command line shows in ps)")
     p.add_argument("--max-body-mb", type=float, help="largest request body, MiB (default 64)")
     p.add_argument("--lease-timeout-s", type=float, help="redeliver unacknowledged leases after this")
     p.add_argument("--max-staleness", type=int,
@@ -209,6 +210,11 @@ def _run_env(argv: list[str]) -> int:
         head.error("the following arguments are required: name")
     atropos = atropos_env_class(known.name)
     if atropos is not None:  # its own command line and serve loop (docs/atropos-migration.md)
+        from environments.settings import run_token
+        from lachesis.env_kinds import atropos_token_origins, send_token_to
+
+        if run_token() is not None:  # under `lachesis run`: its API and bridge want the token
+            send_token_to(atropos_token_origins(rest), run_token())
         sys.argv = [known.name, known.action, *rest]
         atropos.cli()
         return 0

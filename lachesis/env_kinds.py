@@ -106,3 +106,53 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def atropos_token_origins(argv: list[str]) -> set[str]:
+    """The servers an atroposlib env started as ``NAME serve --config FILE ...`` talks to
+    that want the run's token: its rollout API and its inference servers (the
+    ``lachesis atropos-generate`` of the run), as ``scheme://host:port``."""
+    import yaml
+
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return set()
+    settings = yaml.safe_load(open(argv[argv.index("--config") + 1])) or {}
+    env, openai = settings.get("env") or {}, settings.get("openai") or {}
+    urls = [env.get("rollout_server_url")]
+    urls += [s.get("base_url") for s in (openai if isinstance(openai, list) else [openai])
+             if isinstance(s, dict)]
+    return {origin(u) for u in urls if isinstance(u, str) and u}
+
+
+def origin(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def send_token_to(origins: set[str], token: str) -> None:
+    """Make every aiohttp and httpx request of this process to one of ``origins`` carry
+    ``Authorization: Bearer TOKEN`` (an unchanged atroposlib env makes its own sessions,
+    without a header: its rollout-API calls have none, its inference calls the configured
+    ``api_key``). Requests elsewhere are left as they are: the token goes nowhere else."""
+    import aiohttp
+    import httpx
+
+    header = f"Bearer {token}"
+    request = aiohttp.ClientSession._request
+
+    async def _request(self, method, str_or_url, *args, headers=None, **kwargs):
+        if origin(str(self._build_url(str_or_url))) in origins:
+            headers = {**dict(headers or {}), "Authorization": header}
+        return await request(self, method, str_or_url, *args, headers=headers, **kwargs)
+
+    send = httpx.AsyncClient.send
+
+    async def send_with_token(self, request: httpx.Request, *args, **kwargs):
+        if origin(str(request.url)) in origins:
+            request.headers["Authorization"] = header
+        return await send(self, request, *args, **kwargs)
+
+    aiohttp.ClientSession._request = _request
+    httpx.AsyncClient.send = send_with_token

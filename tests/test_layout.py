@@ -269,6 +269,55 @@ def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_py
             config(tmp_path, train={"batch_size": 8}, envs=[env]).check_sections()
 
 
+def test_the_plan_says_what_listens_where_and_what_guards_it(tmp_path):
+    """On a cluster (a placement that answers with a node's address; nothing connects to
+    it) the API and vLLM listen on their node's address, guarded by the run's token; an
+    OpenEnv server, which has no authentication, listens on loopback, placed beside its
+    env's servers. A token in the run config is refused (it would land in the settings
+    files)."""
+    from lachesis.run.layout import Placement
+    from lachesis.run.plan import listening_lines
+
+    class Cluster(Placement):
+        per_rank = True
+
+        def host(self, name):
+            return "10.9.9.9"
+
+        def port(self, name, port=None):
+            return port or 30000 + len(name)
+
+        def local_port(self, name):
+            return 40000
+
+        def server_place(self, label):
+            return f"env-{label}"
+
+        def rank_env(self, rank, world):
+            return {"LOCAL_RANK": "0"}
+
+    run = config(tmp_path, vllm={"replicas": 1}, train={"batch_size": 8, "nproc": 2}, envs=[
+        {"name": "openenv:http://{host}:{port}", "count": 2, "settings": {"group_size": 4},
+         "server": {"command": ["serve", "--host", "{host}", "--port", "{port}"]}}])
+    layout = build_layout(run, place=Cluster())
+    [server] = layout.backends
+    assert server.command == ["serve", "--host", "127.0.0.1", "--port", "40000"]
+    assert {e.where for e in layout.envs} == {server.where} and server.where.startswith("env-")
+    assert {e.env_name for e in layout.envs} == {"openenv:http://127.0.0.1:40000"}
+    lines = "\n".join(listening_lines(layout))
+    assert f"api: {layout.api.url} (reachable at 10.9.9.9); guarded" in lines
+    assert "vllm: http://10.9.9.9:30004 (reachable at 10.9.9.9); guarded" in lines
+    assert (f"{server.name}: http://127.0.0.1:40000 (loopback only); not guarded (no "
+            f"authentication of its own), runs beside {server.where}") in lines
+    assert "trainer ranks: rendezvous (torch's TCP store) at 10.9.9.9:" in lines
+    assert "--middleware" in layout.replicas[0].command
+
+    tokens = config(tmp_path, api={"token": "x"}, train={"batch_size": 8, "api_token": "x"})
+    problems = make_plan(tokens, devices_present=8).problems
+    assert [p.split(":")[0] for p in problems if "LACHESIS_API_TOKEN" in p] == [
+        "api.token", "train.api_token"]
+
+
 HEALTH_SERVER = """
 import http.server, sys
 class Health(http.server.BaseHTTPRequestHandler):

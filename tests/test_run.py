@@ -99,6 +99,9 @@ def test_short_run_flows_groups_syncs_weights_and_leaves_no_process(tiny_model_d
 
 def test_a_dead_env_server_is_restarted_then_the_run_stops_with_its_tail_and_resume_command(
         tiny_model_dir, tmp_path):
+    """Also, while it trains: the run is guarded by its token (test_security.py)."""
+    from test_security import check_the_run_is_guarded
+
     config = write_config(tmp_path, tiny_model_dir, "dies", warm_start=None, evaluate=False,
                           max_restarts=1, restart_backoff_s=0,
                           train={**SHORT_RUN["train"], "steps": 1000})
@@ -107,6 +110,7 @@ def test_a_dead_env_server_is_restarted_then_the_run_stops_with_its_tail_and_res
     metrics = run_dir / "trainer" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 600, "a trainer step", run)
     rid = run_id(run_dir)
+    check_the_run_is_guarded(run_dir, processes_of_run(rid))
 
     def env_server() -> list[int]:
         cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in processes_of_run(rid)}

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from environments.settings import load_settings
+from environments.settings import load_settings, run_token
 from trainer.lora import LoraSettings
 
 
@@ -24,7 +23,7 @@ class TrainConfig(BaseModel):
     # data
     api_url: str | None = "http://127.0.0.1:8000"
     """Rollout API to lease batches from (ignored when ``data`` is set)."""
-    api_token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
+    api_token: str | None = Field(default_factory=run_token)
     data: Path | None = None
     """Train offline from this JSONL (groups for ``rl``; groups or messages for ``sft``)."""
     batch_size: int = Field(default=64, ge=1)

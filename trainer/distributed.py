@@ -4,6 +4,7 @@ state dicts for checkpoints and weight sync."""
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import torch
@@ -13,13 +14,37 @@ from trainer.config import TrainConfig
 
 
 def init_distributed() -> tuple[int, int]:
-    """``(rank, world_size)``; joins the process group when started by ``torchrun``."""
+    """``(rank, world_size)``; joins the process group when started by ``torchrun`` (or
+    with its variables, one process per rank: ``lachesis run --ray``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        store = rendezvous_store(world)
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo",
+            **({"store": store, "rank": int(os.environ["RANK"]), "world_size": world}
+               if store is not None else {}))
     return (dist.get_rank() if world > 1 else 0), world
+
+
+def rendezvous_store(world: int) -> dist.TCPStore | None:
+    """Without torchrun (whose agent hosts the store), rank 0 hosts the rendezvous store
+    itself, listening on ``MASTER_ADDR`` only (torch's ``env://`` store listens on every
+    interface of the machine), and the other ranks join it. None under torchrun."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") or "MASTER_ADDR" not in os.environ:
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if int(os.environ["RANK"]) != 0:
+        return dist.TCPStore(address, port, world, is_master=False, timeout=default_pg_timeout)
+    listen = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listen.bind((address, port))
+    listen.listen()
+    return dist.TCPStore(address, port, world, is_master=True, timeout=default_pg_timeout,
+                         wait_for_workers=False, master_listen_fd=listen.detach())
 
 
 def use_deterministic_kernels() -> None:

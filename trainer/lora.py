@@ -27,6 +27,8 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
+from environments.inference.vllm_client import inference_session
+
 log = logging.getLogger(__name__)
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -122,7 +124,7 @@ class LoraSync:
         """Load adapter ``path`` as ``name`` into ``urls`` (all servers by default).
         Returns the servers that failed with one of ``tolerate``; other errors raise."""
         urls = urls if urls is not None else self.urls
-        async with aiohttp.ClientSession(timeout=self.timeout) as session:
+        async with inference_session(timeout=self.timeout) as session:
             results = await asyncio.gather(*(
                 # in place: a run resumed from an older checkpoint publishes names the
                 # servers may hold already; the path is new, and vLLM's prefix cache keys
@@ -152,7 +154,7 @@ class LoraSync:
         failed = await self.load(name, path, [u for u in self.urls if u not in skip], tolerate)
         self.loaded.append((name, path))
         old, self.loaded = self.loaded[:-self.keep], self.loaded[-self.keep:]
-        async with aiohttp.ClientSession(timeout=self.timeout) as session:
+        async with inference_session(timeout=self.timeout) as session:
             for old_name, old_path in old:
                 for url in self.urls:
                     try:

@@ -13,13 +13,16 @@ import threading
 import urllib.error
 import urllib.request
 
+from environments.settings import bearer_headers, run_token
+
 METRIC = "vllm:num_requests_running"
 
 
 def running_requests(url: str, timeout_s: float = 2.0) -> float | None:
     """The requests ``url`` is running now (None: it did not answer, or does not say)."""
+    request = urllib.request.Request(url + "/metrics", headers=bearer_headers(run_token()))
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             text = response.read().decode("utf-8", "replace")
     except (OSError, urllib.error.URLError):
         return None

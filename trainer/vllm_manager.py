@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from environments.inference.vllm_process import VLLMProcess
+from environments.settings import run_token
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class ManagedVLLM:
         return VLLMProcess(model_dir, port=port, max_model_len=self.max_model_len,
                            served_model_name=self.served_model_name or self.model_dir.name,
                            dev_mode=True, extra_args=self.extra_args, env=self.env,
-                           log_path=self.log_dir / "vllm.log")
+                           log_path=self.log_dir / "vllm.log", token=run_token())
 
     @property
     def url(self) -> str:

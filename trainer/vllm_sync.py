@@ -53,6 +53,7 @@ from typing import Any, Literal
 import aiohttp
 import torch
 
+from environments.inference.vllm_client import inference_session
 from trainer.lora import AdapterLoadError, LoraSync
 from trainer.lora import vllm_options as lora_vllm_options
 from trainer.losses import token_logprobs
@@ -213,7 +214,7 @@ class VLLMWeightSync:
     async def reload(self, path: Path, urls: list[str] | None = None) -> float:
         """Load ``path`` into every server (or ``urls``); returns the seconds it took."""
         started = time.monotonic()
-        async with aiohttp.ClientSession(timeout=self.timeout) as session:
+        async with inference_session(timeout=self.timeout) as session:
             async def one(url: str) -> None:
                 await self.pause(session, url)
                 # A failed reload may leave part of the new weights: the server stays
@@ -273,7 +274,7 @@ async def sample_for_check(url: str, model_name: str, vocab_size: int, *,
     vLLM refuses the padding rows of a larger embedding)."""
     prompt = torch.randint(0, vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(seed)).tolist()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with inference_session(timeout=aiohttp.ClientTimeout(total=120)) as session:
         async with session.post(f"{url}/v1/completions", json={
                 "model": model_name, "prompt": prompt, "max_tokens": new_tokens,
                 "temperature": 1.0, "seed": seed, "logprobs": 0, "return_token_ids": True,
@@ -381,7 +382,7 @@ class PolicyServers:
     async def _catch_up(self) -> dict[str, Any]:
         for url in sorted(self.behind):
             try:
-                async with aiohttp.ClientSession(
+                async with inference_session(
                         timeout=aiohttp.ClientTimeout(total=5)) as session, \
                         session.get(url + "/health") as response:
                     if response.status != 200:
@@ -434,7 +435,7 @@ class PolicyServers:
         if self.latest is not None and self.lora is None \
                 and (version := path_version(self.latest)) is not None:
             try:
-                async with aiohttp.ClientSession(timeout=self.sync.timeout) as session:
+                async with inference_session(timeout=self.sync.timeout) as session:
                     await self.sync.label(session, url, version)
             except SYNC_ERRORS as error:  # its tokens then carry the envs' version
                 log.warning("could not label %s's weights v%d: %s", url, version, error)
@@ -519,7 +520,7 @@ class PolicyServers:
                 disk_copy = asyncio.ensure_future(self._save(model, tokenizer, version, weights))
             return disk_copy
 
-        async with aiohttp.ClientSession(timeout=self.sync.timeout) as session:
+        async with inference_session(timeout=self.sync.timeout) as session:
             async def one(url: str) -> None:
                 await self.sync.pause(session, url)
                 if url not in self.disk_only:
@@ -582,7 +583,7 @@ class PolicyServers:
         return worst
 
     async def _served_name(self, url: str) -> str:
-        async with aiohttp.ClientSession() as session:
+        async with inference_session() as session:
             async with session.get(url + "/v1/models") as response:
                 return (await response.json())["data"][0]["id"]
 

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import torch
 
 from environments.inference import weight_transfer as gloo
+from environments.settings import bearer_headers, run_token
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,20 @@ class TransferRefused(RuntimeError):
     another backend), or cannot reach the trainer's end (``shm``: another machine)."""
 
 
+def weight_sync_client() -> type:
+    """vLLM's ``HTTPVLLMWeightSyncClient``, sending the run's token with every request."""
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    class TokenWeightSyncClient(HTTPVLLMWeightSyncClient):
+        def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+            response = requests.post(f"{self.base_url}/{path}", json=json,
+                                     timeout=self.timeout, headers=bearer_headers(run_token()))
+            response.raise_for_status()
+
+    return TokenWeightSyncClient
+
+
 class ServerTransfer:
     """The trainer's end of one server's weight-transfer group."""
 
@@ -78,7 +93,6 @@ class ServerTransfer:
     def connect(self, weights: dict[str, torch.Tensor]) -> None:
         """The handshake (blocking); raises :class:`TransferRefused` when it fails."""
         import requests
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from environments.inference.vllm_process import free_port
@@ -95,7 +109,7 @@ class ServerTransfer:
 
             address = _address_towards(self.url)
             info = NCCLTrainerInitInfo(address, free_port(address), world_size=2, rank=0)
-        client = HTTPVLLMWeightSyncClient(self.url, timeout=self.timeout_s)
+        client = weight_sync_client()(self.url, timeout=self.timeout_s)
         try:
             self.engine = WeightTransferTrainerFactory.trainer_init(
                 info, client=client, source=gloo.StateDictSource(weights))

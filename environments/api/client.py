@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 from pydantic import ValidationError
 
+from environments.settings import bearer_headers
 from environments.trajectory import ScoredGroup, TrajectoryError
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
@@ -73,7 +74,7 @@ class RolloutAPIClient:
         gzip_min_bytes: int | None = 1024,
     ):
         self.url = url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = bearer_headers(token)
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments.settings import load_settings
+from environments.settings import load_settings, run_token
 from environments.trajectory import MAX_INT
 
 
@@ -116,8 +115,9 @@ class APIConfig(BaseModel):
     """Keep everything in memory: faster, but a restart loses the queue."""
     synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """SQLite ``synchronous``: FULL survives power loss, NORMAL only process crashes."""
-    token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
-    """Bearer token required on every endpoint when set (env: LACHESIS_API_TOKEN)."""
+    token: str | None = Field(default_factory=run_token)
+    """Bearer token required on every endpoint but ``/health`` when set (env:
+    LACHESIS_API_TOKEN; ``lachesis run`` sets it to the run's token)."""
     max_body_mb: float = Field(default=64.0, gt=0)
     """Largest accepted request body (after gzip decompression), in MiB."""
     lease_timeout_s: float = Field(default=600.0, gt=0)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import logging
 import time
@@ -61,6 +60,7 @@ from environments.api.wire import (
     decode_group,
     decode_group_list,
 )
+from environments.settings import token_matches
 from environments.trajectory import field_path
 
 log = logging.getLogger("lachesis.api")
@@ -544,15 +544,18 @@ async def parse(request: web.Request, model: type[M], allow_empty: bool = False)
                        field=errors[0]["field"], errors=errors) from None
 
 
+OPEN_PATHS = frozenset({"/health"})
+"""The routes answered without the token (with one set): the health check only."""
+
+
 @web.middleware
 async def errors_as_json(request: web.Request, handler):
     api = request.app[API_KEY]
     try:
-        if api.config.token is not None:
-            supplied = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {api.config.token}".encode()):
-                api.count_rejection("unauthorized")
-                raise APIError(401, "missing or wrong bearer token (Authorization header)")
+        if api.config.token is not None and request.path not in OPEN_PATHS \
+                and not token_matches(request.headers.get("Authorization"), api.config.token):
+            api.count_rejection("unauthorized")
+            raise APIError(401, "missing or wrong bearer token (Authorization header)")
         return await handler(request)
     except APIError as error:
         body = {"error": error.message, **({"field": error.field} if error.field else {}),

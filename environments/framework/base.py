@@ -70,7 +70,7 @@ from environments.framework.tools import Tool
 from environments.inference.backends import sampling_seeds
 from environments.inference.tool_parsers import get_parser
 from environments.rollout import Rollout
-from environments.settings import load_settings
+from environments.settings import load_settings, run_token
 from environments.trajectory import (
     ScoredGroup,
     ScoredTrajectory,
@@ -116,7 +116,9 @@ class EnvConfig(BaseModel):
     class's ``name``). ``lachesis run`` sets it for an env whose URL holds the port of a
     server it starts, so the name stays the same across ``--resume``."""
     api_url: str = "http://127.0.0.1:8000"
-    api_token: str | None = Field(default_factory=lambda: os.environ.get("LACHESIS_API_TOKEN"))
+    api_token: str | None = Field(default_factory=run_token)
+    """The run's token (env: LACHESIS_API_TOKEN), sent to the rollout API and to the
+    inference servers (``inference: vllm``)."""
     env_weight: float = Field(default=1.0, gt=0)
     min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
     max_queued_groups: int | None = Field(default=None, ge=1)
@@ -447,6 +449,7 @@ class BaseEnv:
         config = self.config
         if config.inference == "vllm":
             self._pool = VLLMServerPool(config.inference_servers, config.model,
+                                        api_key=config.api_token,
                                         timeout_s=config.request_timeout_s,
                                         outage_wait_s=config.inference_outage_wait_s)
             await self._pool.start()

@@ -15,6 +15,9 @@ unchanged Atropos env that route on top of the vLLM servers Lachesis runs:
   ``{"logprobs": [[[{"<id>": logprob}], ...] per completion], "finish_reasons": [...],
   "token_ids": [...], "prompt_token_ids": [...]}``.
 * ``GET /health``: 200 while a vLLM server is healthy.
+* With a token (``LACHESIS_API_TOKEN``, which ``lachesis run`` sets to the run's): every
+  route but ``/health`` refuses a request without ``Authorization: Bearer TOKEN`` (401),
+  and the token goes on to the vLLM servers.
 * ``/v1/...``: passed through to a healthy vLLM server (atroposlib's plain
   ``chat_completion``/``completion`` calls go there); no streaming.
 
@@ -32,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from environments.inference.vllm_client import InferenceError, VLLMServerPool
+from environments.settings import run_token, token_matches
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +111,8 @@ async def handle_passthrough(request: web.Request) -> web.Response:
     """Forward ``/v1/...`` to a healthy vLLM server, as is."""
     pool = request.app[POOL_KEY]
     server = next((s for s in pool.servers if s.healthy), pool.servers[0])
-    headers = {k: v for k, v in request.headers.items()
-               if k.lower() in ("content-type", "authorization", "accept")}
+    headers = {k: v for k, v in request.headers.items()  # the pool's token goes on
+               if k.lower() in ("content-type", "accept")}
     try:
         async with pool.session.request(request.method, server.url + request.rel_url.path_qs,
                                         data=await request.read(), headers=headers) as response:
@@ -119,8 +123,24 @@ async def handle_passthrough(request: web.Request) -> web.Response:
                                  status=502)
 
 
-def build_app(pool: VLLMServerPool) -> web.Application:
-    app = web.Application(client_max_size=64 * 2**20)
+def token_required(token: str) -> Any:
+    """aiohttp middleware: 401 on every route but ``/health`` without ``token``."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != "/health" \
+                and not token_matches(request.headers.get("Authorization"), token):
+            return web.json_response({"error": "missing or wrong bearer token "
+                                               "(Authorization header)"}, status=401)
+        return await handler(request)
+
+    return check
+
+
+def build_app(pool: VLLMServerPool, token: str | None = None) -> web.Application:
+    """``token``: required on every route but ``/health`` (None: none required)."""
+    app = web.Application(client_max_size=64 * 2**20,
+                          middlewares=[token_required(token)] if token else [])
     app[POOL_KEY] = pool
 
     async def lifecycle(app: web.Application):
@@ -139,5 +159,7 @@ def build_app(pool: VLLMServerPool) -> web.Application:
 def serve(vllm_urls: list[str], *, host: str = "127.0.0.1", port: int = 9001,
           model: str | None = None) -> None:
     """Run the server until interrupted."""
-    web.run_app(build_app(VLLMServerPool(vllm_urls, model)), host=host, port=port,
+    token = run_token()
+    web.run_app(build_app(VLLMServerPool(vllm_urls, model, api_key=token), token),
+                host=host, port=port,
                 print=lambda _: log.info("listening on http://%s:%d", host, port))

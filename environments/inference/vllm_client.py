@@ -36,6 +36,8 @@ from typing import Any
 
 import aiohttp
 
+from environments.settings import bearer_headers, run_token
+
 log = logging.getLogger(__name__)
 
 
@@ -92,6 +94,12 @@ class PoolStats:
     continued on the new weights."""
 
 
+def inference_session(**kwargs: Any) -> aiohttp.ClientSession:
+    """An aiohttp session that sends the run's token (``LACHESIS_API_TOKEN``) to the vLLM
+    servers with every request (``kwargs``: the session's other settings)."""
+    return aiohttp.ClientSession(headers=bearer_headers(run_token()), **kwargs)
+
+
 class VLLMServerPool:
     """Least-loaded routing over vLLM OpenAI-compatible servers."""
 
@@ -105,7 +113,7 @@ class VLLMServerPool:
             raise ValueError("at least one inference server URL is needed")
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         self.model = model
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = bearer_headers(api_key)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries = retries
         self.backoff_s = backoff_s

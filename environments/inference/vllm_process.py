@@ -22,6 +22,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from environments.inference.vllm_auth import middleware_args
+from environments.settings import TOKEN_VARIABLE
+
 
 class VLLMProcessError(RuntimeError):
     """The server exited or did not become healthy in time."""
@@ -93,7 +96,11 @@ class VLLMProcess:
                  kv_cache_space_gib: int | None = 1, dev_mode: bool = False,
                  extra_args: list[str] | tuple[str, ...] = (),
                  env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 python: str | None = None):
+                 python: str | None = None, token: str | None = None, guarded: bool = False):
+        """``token``: the server refuses every request but ``/health`` without it
+        (:mod:`environments.inference.vllm_auth`; it reaches the server in its environment,
+        never on its command line). ``guarded``: the same, with the token taken from the
+        environment the command is started in (``LACHESIS_API_TOKEN``)."""
         self.model_dir = Path(model_dir)
         self.host = host
         self.port = port or free_port(host)
@@ -107,6 +114,8 @@ class VLLMProcess:
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.python = python or sys.executable
+        self.token = token
+        self.guarded = guarded or token is not None
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
             os.close(fd)
@@ -131,6 +140,8 @@ class VLLMProcess:
             # /inference/v1/generate: token-in/token-out that says which weight version
             # sampled each token (environments/inference/vllm_client.py)
             cmd.append("--enable-scale-out")
+        if self.guarded:
+            cmd += middleware_args()
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -141,6 +152,8 @@ class VLLMProcess:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(self.extra_env)
+        if self.token is not None:
+            env[TOKEN_VARIABLE] = self.token
         return env
 
     def start(self) -> VLLMProcess:

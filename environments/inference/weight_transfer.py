@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import socket
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -89,10 +90,19 @@ def plugin_pythonpath() -> str | None:
 
 
 def _open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float):
+    """Join the gloo group; rank 0 (the trainer) hosts its TCPStore, listening on
+    ``address`` only (a TCPStore left to bind by itself listens on every interface)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+    listen = None
+    if rank == 0:
+        listen = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+        listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listen.bind((address, port))
+        listen.listen()
     return stateless_init_torch_distributed_process_group(
-        address, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        address, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s),
+        listen_socket=listen)
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> None:

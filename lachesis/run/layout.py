@@ -21,8 +21,10 @@ device 0 is GPU 4.
 
 Hosts and ports come from a :class:`Placement`: on this machine every process listens on
 loopback; :class:`lachesis.run.ray_cluster.RayPlacement` puts each process on a node of a
-Ray cluster first and answers with that node's address and a port free there (``{host}``
-in an env server's command is its node's address, as ``{port}`` is its port).
+Ray cluster first and answers with that node's address and a port free there. An env's
+own server (``{host}``, ``{port}`` in its command) listens on loopback, beside the env's
+servers (:meth:`Placement.server_place`): OpenEnv servers have no authentication. The
+others want the run's token (docs/security.md).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from lachesis.run.config import EnvSettings, RunConfig, env_facts, env_process_environment
+
+
+LOOPBACK = "127.0.0.1"
 
 
 def lachesis_command(*args: str, python: str | None = None) -> list[str]:
@@ -61,6 +66,8 @@ class Process:
     slot: str | None = None
     """Where it runs when that is not its own place (:class:`Placement`): a trainer
     rank's, or an env server's for its evaluation."""
+    guarded: bool = False
+    """Its ``url`` refuses every request but its health check without the run's token."""
 
     @property
     def where(self) -> str:
@@ -127,6 +134,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     return pick(host)
 
 
+def url_answers(url: str, timeout_s: float = 2.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return 200 <= response.status < 300
+    except (OSError, ValueError):
+        return False
+
+
 class Placement:
     """Where each process of the run goes: here, this machine, every process listening on
     loopback. Processes are asked for by the name of their place (``api``, ``vllm-0``,
@@ -137,11 +154,25 @@ class Placement:
 
     def host(self, name: str) -> str:
         """The address ``name`` listens on and is reached at."""
-        return "127.0.0.1"
+        return LOOPBACK
 
     def port(self, name: str, port: int | None = None) -> int:
         """``port`` (configured), else a port free where ``name`` runs."""
         return port or free_port(self.host(name))
+
+    def local_port(self, name: str) -> int:
+        """A port free on loopback where ``name`` runs."""
+        return free_port("127.0.0.1")
+
+    def server_place(self, label: str) -> str | None:
+        """Where the server of env ``label`` (an OpenEnv server, which has no
+        authentication of its own) runs, listening on loopback: None, its own place (here:
+        this machine); on a cluster, the place of the env's servers, its only clients."""
+        return None
+
+    def answers(self, name: str, url: str) -> bool:
+        """Whether ``url`` answers (2xx) from where ``name`` runs."""
+        return url_answers(url)
 
     def device_env(self, name: str, devices: list[int] | None) -> dict[str, str]:
         """The environment that gives ``name`` its configured ``devices``."""
@@ -177,7 +208,8 @@ def build_layout(config: RunConfig, model: str | None = None,
     api_url = f"http://{api_host}:{api_port}"
     api_yaml = configs / "api.yaml"
     api = Process("api", lachesis_command("api", "--config", str(api_yaml)),
-                  logs / "api.log", port=api_port, url=api_url, settings=(api_yaml, {
+                  logs / "api.log", port=api_port, url=api_url, guarded=True,
+                  settings=(api_yaml, {
                       **config.api, "host": api_host, "port": api_port,
                       "db": run_dir / "api" / "queue.sqlite"}))
 
@@ -197,7 +229,7 @@ def build_layout(config: RunConfig, model: str | None = None,
                              max_model_len=v.max_model_len, dtype=v.dtype,
                              kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
                              gpu_memory_utilization=v.gpu_memory_utilization,
-                             served_model_name="policy",
+                             served_model_name="policy", guarded=True,
                              extra_args=[*tp_args, *determinism_args, *v.args, *sync_args],
                              env=sync_env,
                              log_path=logs / f"{name}.log")
@@ -206,23 +238,24 @@ def build_layout(config: RunConfig, model: str | None = None,
                                            *sync_env) if k in environment}
         replicas.append(Process(name, server.command(), logs / f"{name}.log",
                                 env={**env, **place.device_env(name, devices)}, devices=devices,
-                                port=server.port, url=server.url))
+                                port=server.port, url=server.url, guarded=True))
     urls = [r.url for r in replicas]
 
     backends, envs, bridge = [], [], None
     for env in config.envs:
         name, kind = env.name, _kind(env)
+        beside = None
         if env.server is not None:
             backends.append(env_backend(env, logs, place))
-            name = name.replace("{port}", str(backends[-1].port)).replace(
-                "{host}", place.host(backends[-1].name))
+            beside = backends[-1].slot  # its env servers run where it listens on loopback
+            name = name.replace("{port}", str(backends[-1].port)).replace("{host}", LOOPBACK)
         if kind == "atropos" and bridge is None:
             host, port = place.host("atropos-generate"), place.port("atropos-generate")
             bridge = Process("atropos-generate", lachesis_command(
                 "atropos-generate", *[a for u in urls for a in ("--vllm-url", u)],
                 "--model", "policy", "--host", host, "--port", str(port)),
                 logs / "atropos-generate.log", port=port, url=f"http://{host}:{port}",
-                health_url=f"http://{host}:{port}/health")
+                health_url=f"http://{host}:{port}/health", guarded=True)
         environment = env_process_environment(env, {})
         for k in range(env.count):
             label = env.label if env.count == 1 else f"{env.label}-{k}"
@@ -254,7 +287,7 @@ def build_layout(config: RunConfig, model: str | None = None,
                                                  str(env_yaml), python=env.python),
                 logs / f"env-{label}.log", env=environment, settings=(env_yaml, settings),
                 env_name=name, label=label, kind=kind, python=env.python,
-                env_label=env.label, first=k == 0))
+                env_label=env.label, first=k == 0, slot=beside))
 
     train_yaml = configs / "train.yaml"
     trainers = trainer_processes(config, "trainer", train_yaml, {
@@ -314,11 +347,13 @@ def _kind(env: EnvSettings) -> str:
 
 def env_backend(env: EnvSettings, logs: Path, place: Placement | None = None) -> Process:
     """The server ``env.server`` says to start (``{port}``: its port, ``{host}``: its
-    address)."""
+    address, loopback: OpenEnv servers have no authentication, so only the env servers
+    beside them reach them; :meth:`Placement.server_place`)."""
     server = env.server
     place = place or Placement()
     name = f"server-{env.label}"
-    host, port = place.host(name), place.port(name, server.port)
+    slot = place.server_place(env.label)
+    host, port = LOOPBACK, server.port or place.local_port(slot or name)
 
     def fill(text: str) -> str:
         return text.replace("{port}", str(port)).replace("{host}", host)
@@ -335,4 +370,4 @@ def env_backend(env: EnvSettings, logs: Path, place: Placement | None = None) ->
                    server.docker_image, *command]
     url = f"http://{host}:{port}"
     return Process(name, command, logs / f"{name}.log", env=environment, port=port, url=url,
-                   health_url=url + server.health_path, container=container)
+                   health_url=url + server.health_path, container=container, slot=slot)

@@ -94,7 +94,21 @@ def context_limit_problems(plan: Plan) -> list[str]:
     return problems
 
 
-PLAN_CHECKS: list[PlanCheck] = [context_limit_problems]
+def token_problems(plan: Plan) -> list[str]:
+    """A token in the run config: it would be written into the settings files under
+    ``runs/NAME/configs/`` and differ from the run's, which every process gets in its
+    environment (docs/security.md)."""
+    config = plan.config
+    found = [f"{where}.{key}" for where, settings, key in (
+        ("api", config.api, "token"), ("train", config.train, "api_token"),
+        *((f"envs[{i}].settings", env.settings, "api_token")
+          for i, env in enumerate(config.envs))) if key in (settings or {})]
+    return [f"{where}: the run's token is not set in the config; set LACHESIS_API_TOKEN in "
+            "the environment of `lachesis run` (or leave it out: each run makes its own)"
+            for where in found]
+
+
+PLAN_CHECKS: list[PlanCheck] = [context_limit_problems, token_problems]
 """More checks of a plan, each returning its problems (one line each); ``--plan`` prints
 them and ``lachesis run`` refuses to start on them."""
 
@@ -213,6 +227,32 @@ def batch_lines(config: RunConfig) -> list[str]:
     return lines
 
 
+def listening_lines(layout: Layout) -> list[str]:
+    """What listens where, and what guards it (docs/security.md)."""
+    lines = ["listening (the run's token: LACHESIS_API_TOKEN if set, else a new one per run; "
+             "given to every process in its environment):"]
+    for p in layout.processes:
+        if p.url is None:
+            continue
+        host = p.url.split("//", 1)[1].rsplit(":", 1)[0]
+        reach = "loopback only" if host == "127.0.0.1" else f"reachable at {host}"
+        guard = "guarded: the run's token on every route but its health check" if p.guarded \
+            else "not guarded (no authentication of its own)"
+        lines.append(f"  {p.name}: {p.url} ({reach}); {guard}"
+                     + (f", runs beside {p.slot}" if p.slot and not p.guarded else ""))
+    ranks = layout.trainers
+    if len(ranks) > 1:
+        master = ranks[0].env.get("MASTER_ADDR")
+        lines.append(f"  trainer ranks: rendezvous (torch's TCP store) at {master}:"
+                     f"{ranks[0].env.get('MASTER_PORT')} (that address only); not guarded")
+    elif "torch.distributed.run" in ranks[0].command:
+        lines.append("  trainer: its ranks' rendezvous (torchrun --standalone) on loopback")
+    lines.append("  env servers listen on nothing (a black-box env's proxy: loopback, a token "
+                 "per rollout); the trainer's in-memory weight transfer over gloo listens on "
+                 "its address towards the vLLM servers for each handshake, not guarded")
+    return lines
+
+
 def format_plan(plan: Plan) -> str:
     config = plan.config
     lines = [f"plan of run {config.name!r} (nothing started); everything under "
@@ -231,6 +271,9 @@ def format_plan(plan: Plan) -> str:
         if p.env:
             lines.append(f"    env: {' '.join(f'{k}={v}' for k, v in sorted(p.env.items()))}")
         lines.append(f"    $ {shlex.join(p.command)}")
+    if plan.layout is not None:
+        lines.append("")
+        lines += listening_lines(plan.layout)
     lines.append("")
     try:
         lines += batch_lines(config)

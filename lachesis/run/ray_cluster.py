@@ -11,8 +11,9 @@ actor, a :class:`ProcessRunner`, on the node Ray gives it:
   ranks' GPUs, like torchrun's workers);
 * each vLLM replica: a placement group of one bundle (``tensor_parallel_size`` GPUs on one
   node);
-* the API, the env servers and their servers: on the node whose resource ``ray.nodes``
-  names for them, else where Ray puts them.
+* the API and the env servers: on the node whose resource ``ray.nodes`` names for them,
+  else where Ray puts them; an env's own server (OpenEnv) in the place of its env's
+  servers, on loopback there.
 
 An actor runs its commands as its own children, under the same guard as on one machine
 (:mod:`lachesis.run.guard`). When the actor dies (its driver, the supervisor, was killed
@@ -45,13 +46,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from environments.settings import TOKEN_VARIABLE
 from lachesis.run.config import RunConfig
-from lachesis.run.layout import Placement, free_port
+from lachesis.run.layout import Placement, free_port, url_answers
 
 log = logging.getLogger("lachesis.run")
 RUNNER_VARIABLE = "LACHESIS_RAY_RUNNER"
 INSTALL_HINT = "pip install 'lachesis-rl[ray]'"
 READ_CHUNK = 1 << 20
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class RayUnavailable(RuntimeError):
@@ -74,6 +77,11 @@ def import_ray() -> Any:
 def connect(address: str) -> Any:
     """Join the Ray cluster at ``address`` (``auto``: the one started on this machine with
     ``ray start``) as its driver; returns the ``ray`` module."""
+    if address.rsplit(":", 1)[0].strip("[]") in LOOPBACK_HOSTS:
+        # Ray rewrites a loopback address to this machine's outward one, where a cluster
+        # started on loopback (`--node-ip-address 127.0.0.1`) does not listen, unless
+        # told that this machine's cluster is local only (read when Ray is imported).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = import_ray()
     if ray.is_initialized():
         return ray
@@ -189,6 +197,10 @@ class ProcessRunner:
 
     def free_port(self, host: str) -> int:
         return free_port(host)
+
+    def answers(self, url: str) -> bool:
+        """Whether ``url`` answers 2xx from this node (a server on its loopback)."""
+        return url_answers(url)
 
     def reads(self, path: str, content: str) -> bool:
         """Whether ``path`` holds ``content`` here (the run directory is shared)."""
@@ -339,8 +351,8 @@ class RayPlacement(Placement):
         self.runners: dict[str, Any] = {}
         self.infos: dict[str, dict[str, Any]] = {}
         self.groups: dict[str, Any] = {}
-        environment = {k: v for k, v in os.environ.items()
-                       if k == "PYTHONPATH" or k.startswith("LACHESIS_")}
+        environment = {k: v for k, v in os.environ.items()  # the token: with each start
+                       if k == "PYTHONPATH" or k.startswith("LACHESIS_") and k != TOKEN_VARIABLE}
         self.environment = {**environment, "LACHESIS_RUN_ID": run_id}
 
     # -- places ---------------------------------------------------------------------------
@@ -409,6 +421,15 @@ class RayPlacement(Placement):
 
     def port(self, name: str, port: int | None = None) -> int:
         return port or self.ray.get(self.runner(name).free_port.remote(self.host(name)))
+
+    def local_port(self, name: str) -> int:
+        return self.ray.get(self.runner(name).free_port.remote("127.0.0.1"))
+
+    def server_place(self, label: str) -> str | None:
+        return f"env-{label}"
+
+    def answers(self, name: str, url: str) -> bool:
+        return self.ray.get(self.runner(name).answers.remote(url))
 
     def device_env(self, name: str, devices: list[int] | None) -> dict[str, str]:
         return {}  # Ray gives each actor its GPUs (its CUDA_VISIBLE_DEVICES)

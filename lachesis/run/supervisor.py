@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -39,6 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from environments.settings import TOKEN_VARIABLE, bearer_headers, run_token
 from lachesis.run.config import RunConfig, write_yaml
 from lachesis.run.layout import (
     EnvServer,
@@ -69,17 +70,17 @@ class RunFailed(RuntimeError):
 
 def _post_json(url: str, payload: dict[str, Any], timeout: float = 30.0,
                token: str | None = None) -> dict[str, Any]:
-    headers = {"Content-Type": "application/json",
-               **({"Authorization": f"Bearer {token}"} if token else {})}
+    headers = {"Content-Type": "application/json", **bearer_headers(token)}
     request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
                                      headers=headers)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read() or b"{}")
 
 
-def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
+def _get_json(url: str, timeout: float = 2.0, token: str | None = None) -> dict[str, Any] | None:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        request = urllib.request.Request(url, headers=bearer_headers(token))
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read() or b"{}")
     except (OSError, urllib.error.URLError, ValueError):
         return None
@@ -93,6 +94,9 @@ class Supervisor:
         """Continue the run in ``run_dir`` from the trainer's last complete checkpoint."""
         self.run_dir = config.run_dir
         self.run_id = uuid.uuid4().hex[:12]
+        self.token = run_token() or secrets.token_urlsafe(32)
+        """The run's secret (the user's ``LACHESIS_API_TOKEN``, else a new one): every
+        process gets it in its environment, every server of the run requires it."""
         self.ray_address = ray_address
         """Run the processes on this Ray cluster (None: on this machine)."""
         self.placement = Placement()
@@ -114,7 +118,7 @@ class Supervisor:
               stdout_path: Path | None = None, where: str | None = None) -> ChildProcess:
         """Start ``command`` (in place ``where`` of the placement, default ``name``'s)."""
         log_path = self.run_dir / "logs" / f"{name}.log"
-        env = {RUN_ID_VARIABLE: self.run_id, **(env or {})}
+        env = {RUN_ID_VARIABLE: self.run_id, **(env or {}), TOKEN_VARIABLE: self.token}
         if isinstance(self.placement, RayPlacement):
             child = self.placement.child(name, where or name, command, log_path, env,
                                          stdout_path).start()
@@ -212,9 +216,15 @@ class Supervisor:
                  if p.is_dir() and not p.name.endswith(".tmp")]
         return max(found, default=None)
 
-    def wait_healthy(self, child: ChildProcess, url: str, timeout_s: float) -> None:
+    def api_status(self, api_url: str) -> dict[str, Any] | None:
+        return _get_json(api_url + "/status", token=self.token)
+
+    def wait_healthy(self, child: ChildProcess, url: str, timeout_s: float,
+                     where: str | None = None) -> None:
+        """Wait until ``url`` answers (asked from place ``where``: a server on loopback
+        there; default: from here)."""
         deadline = time.monotonic() + timeout_s
-        while _get_json(url) is None:
+        while not (self.placement.answers(where, url) if where else _get_json(url) is not None):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise RunFailed(f"{child.name} not healthy at {url} after {timeout_s:.0f} s; "
@@ -304,10 +314,10 @@ class Supervisor:
         """Tell the rollout API the run resumes from ``step`` before any env server
         starts, so no rollout is stamped with a version that no longer exists (the
         trainer says it again once its weights are in vLLM)."""
-        token = self.config.api.get("token") or os.environ.get("LACHESIS_API_TOKEN")
         try:
             out = _post_json(api_url + "/resume", {"version": step,
-                                                   "trainer_id": "lachesis-run"}, token=token)
+                                                   "trainer_id": "lachesis-run"},
+                             token=self.token)
         except (OSError, ValueError) as error:
             raise RunFailed(f"could not tell the rollout API at {api_url} that the run "
                             f"resumes from step {step}: {error}") from None
@@ -399,7 +409,7 @@ class Supervisor:
         api = self.start_process(layout.api)
         replicas = [self.start_process(r) for r in layout.replicas]
         backends = [self.start_process(b) for b in layout.backends]
-        self.wait_healthy(api, api_url + "/status", config.startup_timeout_s)
+        self.wait_healthy(api, api_url + "/health", config.startup_timeout_s)
         for child, replica in zip(replicas, layout.replicas):
             self.wait_healthy(child, replica.url + "/health", config.vllm.startup_timeout_s)
         self.replica_names = {r.name for r in layout.replicas}
@@ -411,7 +421,8 @@ class Supervisor:
         self.restart_groups = {name: trainer_names for name in trainer_names}
         for child, backend, env in zip(backends, layout.backends,
                                        [e for e in config.envs if e.server is not None]):
-            self.wait_healthy(child, backend.health_url, env.server.startup_timeout_s)
+            self.wait_healthy(child, backend.health_url, env.server.startup_timeout_s,
+                              backend.where)
         if layout.bridge is not None:
             self.wait_healthy(self.start_process(layout.bridge), layout.bridge.health_url,
                               config.startup_timeout_s)
@@ -445,22 +456,22 @@ class Supervisor:
                 self.check_alive(*ranks)  # a dead rank is restarted (or the run stops)
                 if all(rank.returncode == 0 for rank in ranks):
                     break
-                if waiting and (_get_json(api_url + "/status") or {}).get("trainer_registered"):
+                if waiting and (self.api_status(api_url) or {}).get("trainer_registered"):
                     for server in waiting:
                         self.start_process(server)
                     waiting = []
                 progress.processes = {c.name: "up" if c.running else f"exit {c.returncode}"
                                       for c in self.children}
                 progress.update(last_metrics(train_dir / "metrics.jsonl"),
-                                _get_json(api_url + "/status"))
+                                self.api_status(api_url))
                 time.sleep(1.0)
             for rank in ranks:
                 self.children.remove(rank)
             progress.update(last_metrics(train_dir / "metrics.jsonl"),
-                            _get_json(api_url + "/status"))
+                            self.api_status(api_url))
             self.progress = None
         phases["training"] = lap()
-        accounting = _get_json(api_url + "/accounting", timeout=30)
+        accounting = _get_json(api_url + "/accounting", timeout=30, token=self.token)
         if accounting is not None:
             from lachesis.run.report import accounting_text
 
