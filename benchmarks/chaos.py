@@ -91,8 +91,9 @@ class Chaos:
         self.run_dir = self.config.run_dir
         self.steps = int(self.config.train.get("steps", 100))
         self.metrics = self.run_dir / "trainer" / "metrics.jsonl"
-        self.log = open(args.log or self.run_dir.with_name(self.run_dir.name + "-chaos.log"),
-                        "a")
+        log_path = args.log or self.run_dir.with_name(self.run_dir.name + "-chaos.log")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_path, "a")
         self.run: subprocess.Popen | None = None
         self.started = time.monotonic()
         self.runs = 0
