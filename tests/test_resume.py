@@ -241,3 +241,19 @@ def test_groups_a_step_used_up_without_training_are_counted_as_dropped_with_the_
     accounting = run(scenario())
     assert accounting["trained"] == 1 and accounting["dropped_reasons"] == {"no_signal": 1}
     assert adds_up(accounting)
+
+
+def test_a_restarted_replica_starts_from_weights_the_trainer_cannot_delete_under_it(tmp_path):
+    from lachesis.run.config import RunConfig
+    from lachesis.run.supervisor import Supervisor
+
+    config = RunConfig.model_validate({"name": "pin", "runs_dir": str(tmp_path), "model": "m",
+                                       "envs": [{"name": "arithmetic_tool"}]})
+    weights = tmp_path / "pin" / "trainer" / "weights"
+    for version in (3, 4):
+        (weights / f"v{version:06d}").mkdir(parents=True)
+        (weights / f"v{version:06d}" / "model.safetensors").write_bytes(b"w" * version)
+    pinned = Supervisor(config).pinned_weights("vllm")
+    shutil_rmtree = __import__("shutil").rmtree
+    shutil_rmtree(weights / "v000004")  # the trainer moved on while the replica starts
+    assert (pinned / "model.safetensors").read_bytes() == b"w" * 4

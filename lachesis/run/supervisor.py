@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -196,7 +197,7 @@ class Supervisor:
         limit = self.restartable[child.name]
         weights = None
         if child.name in self.replica_names:
-            weights = self.newest_weights()
+            weights = self.pinned_weights(child.name)
             if weights is not None:
                 at = child.command.index("--model") + 1
                 child.command = [*child.command[:at], str(weights), *child.command[at + 1:]]
@@ -209,6 +210,26 @@ class Supervisor:
         for member in group:
             member.start()
             self.log_started(member)
+
+    def pinned_weights(self, name: str) -> Path | None:
+        """The newest synced weights, hard-linked into ``trainer/restart/NAME`` for replica
+        ``name`` to start from: the trainer keeps only its newest two versions, and one
+        it deletes while the replica is still starting would fail that start."""
+        for _ in range(5):
+            weights = self.newest_weights()
+            if weights is None:
+                return None
+            pinned = self.run_dir / "trainer" / "restart" / name
+            tmp = pinned.with_name(name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                shutil.copytree(weights, tmp, copy_function=os.link)
+            except (OSError, shutil.Error):  # deleted under us: take the newer one
+                continue
+            shutil.rmtree(pinned, ignore_errors=True)
+            tmp.rename(pinned)
+            return pinned
+        return self.newest_weights()
 
     def newest_weights(self) -> Path | None:
         """The newest complete weights the trainer synced (``trainer/weights/vNNNNNN``)."""
