@@ -46,9 +46,11 @@ def two_nodes():
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
+    # Both nodes on loopback: the run's servers listen on, and every connection goes to,
+    # 127.0.0.1, never this machine's other addresses.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"node_a": 1}})
-    cluster.add_node(num_cpus=2, resources={"node_b": 1})
+        "num_cpus": 2, "resources": {"node_a": 1}, "node_ip_address": "127.0.0.1"})
+    cluster.add_node(num_cpus=2, resources={"node_b": 1}, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
     try:
         yield cluster.address
@@ -75,15 +77,25 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
     run to run (which groups fill which batch depends on timing), so the weights are
     compared on the deterministic part of the run: the 2-rank SFT warm start ends on the
     weights a one-machine 2-process run (torchrun, as `lachesis run` starts it without
-    --ray) of the same settings ends on."""
+    --ray) of the same settings ends on. While it trains, the run is guarded by its token
+    (test_security.py), every server on 127.0.0.1, the nodes' address."""
+    from test_run import wait_for
+    from test_security import check_the_run_is_guarded, trainer_pids
+
     config_path = write_config(tmp_path, "two_nodes")
     started = time.monotonic()
     run = lachesis_run(config_path, two_nodes)
+    run_dir = tmp_path / "runs" / "two_nodes"
+    # while it trains: guarded by its token, every server on 127.0.0.1
+    wait_for(lambda: (run_dir / "logs" / "trainer-0.log").exists(), 900, "the RL phase", run)
+    rid = (run_dir / "run_id").read_text().strip()
+    wait_for(lambda: len(trainer_pids(processes_of_run(rid))) >= 4, 60,  # 2 ranks, 2 guards
+             "the RL ranks", run)
+    check_the_run_is_guarded(run_dir, processes_of_run(rid))
     out, err = run.communicate(timeout=1200)
     seconds = time.monotonic() - started
     assert run.returncode == 0, err[-4000:]
     print(out)  # the head's console (pytest -s shows it)
-    run_dir = tmp_path / "runs" / "two_nodes"
     assert processes_of_run((run_dir / "run_id").read_text().strip()) == []
     run_log = (run_dir / "run.log").read_text()
 
