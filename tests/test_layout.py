@@ -443,3 +443,32 @@ def test_a_dead_openenv_server_is_restarted_on_its_address_until_its_restarts_ar
     assert message.count("$ ") == 1  # this start's tail, not the first start's
     assert message.endswith("to continue the run from its last checkpoint: "
                             "lachesis run run.yaml --resume")
+def test_a_rendezvous_port_is_held_until_rank_0_binds_it(monkeypatch):
+    """The trainer's ranks on Ray rendezvous at a port picked before rank 0 starts: held
+    by the picking process, no other program's bind, nor another pick, can take it in
+    between (a run on two Ray nodes failed with EADDRINUSE there); torch's TCPStore binds
+    it beside the hold. Ports are drawn apart from the seeded global ``random``, or every
+    trainer seeded alike would pick the same ones."""
+    import datetime
+    import random
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from environments.inference import vllm_process
+    from lachesis.run.layout import Placement
+
+    port = Placement().rendezvous_port("trainer-0")
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind((host, port))
+    assert port not in {vllm_process.free_port() for _ in range(200)}
+    store = TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30))
+    store.set("rank", "0")
+    assert store.get("rank") == b"0"
+    draws = []
+    for _ in range(2):
+        monkeypatch.setattr(vllm_process, "_HANDED_OUT", set())
+        random.seed(0)
+        draws.append([vllm_process.free_port() for _ in range(5)])
+    assert draws[0] != draws[1]

@@ -178,7 +178,7 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
     import subprocess
     import sys
 
-    from conftest import REPO, free_port
+    from conftest import REPO
 
     groups = [json.loads(line) for line in rollouts.read_text().splitlines()[:2]]
     groups[1]["trajectories"] = groups[1]["trajectories"][:3]  # 7 rows: ranks get 4 and 3
@@ -196,7 +196,7 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_port()), "-m", "lachesis.cli", "train"]
+                "--standalone", "-m", "lachesis.cli", "train"]
     extra = ["--activation-checkpointing", "true"] if "checkpointing" in sharding else []
     syncs = sharding == "fsdp"
     if syncs:

@@ -266,11 +266,11 @@ def test_fsdp_ranks_stream_the_tied_model_in_memory_and_check_the_sync(server, r
     import subprocess
     import sys
 
-    from conftest import REPO, free_port
+    from conftest import REPO
     from vllm_fixture import restore_weights
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "lachesis.cli", "train",
+               "--standalone", "-m", "lachesis.cli", "train",
                "--model", str(server.model_dir), "--data", str(rollouts), "--batch-size", "8",
                "--steps", "1", "--lr", "3e-3", "--sharding", "fsdp", "--tensorboard", "false",
                "--vllm-urls", server.url, "--weight-sync", "transfer",

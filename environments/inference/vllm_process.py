@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,28 +44,62 @@ def _ephemeral_low() -> int:
         return PORTS_BELOW_EPHEMERAL[1]
 
 
+_PICK = random.SystemRandom()
+"""Ports are drawn from the OS's randomness, not the global ``random`` that a trainer seeds
+(``random.seed(config.seed)``): two processes seeded alike would pick the same ports."""
+
+
+def _pick_port(host: str, reuse: bool) -> socket.socket | None:
+    """A socket bound to a random port below the kernel's ephemeral range that this process
+    has not handed out before (None where that range is too small)."""
+    low, high = PORTS_BELOW_EPHEMERAL[0], min(PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+    for _ in range(100 if high - low >= 1000 else 0):
+        port = _PICK.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        s = socket.socket()
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            s.close()
+            continue
+        _HANDED_OUT.add(port)
+        return s
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a process that binds it later. Picked at random below the
     kernel's ephemeral range, where it can't be taken in between by another program's
     outgoing connection or port-0 bind (those use only that range), and never twice in
     this process; falls back to a port-0 bind where that range is too small."""
-    import random
-
-    low, high = PORTS_BELOW_EPHEMERAL[0], min(PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
-    for _ in range(100 if high - low >= 1000 else 0):
-        port = random.randrange(low, high)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket() as s:
+    s = _pick_port(host, reuse=False)
+    if s is None:
+        s = socket.socket()
         s.bind((host, 0))
+    with s:
         return s.getsockname()[1]
+
+
+_HELD: list[socket.socket] = []
+
+
+def hold_port() -> int:
+    """A port kept for a process that binds it later with ``SO_REUSEADDR`` (torch's
+    TCPStore, the rendezvous of a trainer's ranks): this process keeps a socket bound to it
+    on every address, not listening, for as long as it runs. No other bind without
+    ``SO_REUSEADDR`` and no port-0 pick can take the port in the meantime, as they can a
+    port that :func:`free_port` only found free; the rendezvous binds and listens beside the
+    held socket."""
+    s = _pick_port("0.0.0.0", reuse=True)
+    if s is None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", 0))
+    _HELD.append(s)
+    return s.getsockname()[1]
 
 
 def signal_process_group(pgid: int, sig: int) -> None:

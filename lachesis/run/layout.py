@@ -144,6 +144,12 @@ def url_answers(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def held_port() -> int:
+    from environments.inference.vllm_process import hold_port
+
+    return hold_port()
+
+
 class Placement:
     """Where each process of the run goes: here, this machine, every process listening on
     loopback. Processes are asked for by the name of their place (``api``, ``vllm-0``,
@@ -173,6 +179,11 @@ class Placement:
     def answers(self, name: str, url: str) -> bool:
         """Whether ``url`` answers (2xx) from where ``name`` runs."""
         return url_answers(url)
+
+    def rendezvous_port(self, name: str) -> int:
+        """A port for the trainer's rendezvous (torch's TCPStore) where ``name`` runs, held
+        there until the run ends, so nothing takes it before rank 0 binds it."""
+        return held_port()
 
     def device_env(self, name: str, devices: list[int] | None) -> dict[str, str]:
         """The environment that gives ``name`` its configured ``devices``."""
@@ -328,7 +339,7 @@ def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
                         settings=None if settings is None else (train_yaml, settings),
                         slot="trainer-0")]
     master = {"MASTER_ADDR": place.host("trainer-0"),
-              "MASTER_PORT": str(place.port("trainer-0")), "WORLD_SIZE": str(nproc)}
+              "MASTER_PORT": str(place.rendezvous_port("trainer-0")), "WORLD_SIZE": str(nproc)}
     return [Process(f"{name}-{rank}", command, logs / f"{name}-{rank}.log",
                     env={**master, "RANK": str(rank), **place.rank_env(rank, nproc)},
                     settings=(train_yaml, settings) if rank == 0 and settings is not None

@@ -48,7 +48,7 @@ from typing import Any
 
 from environments.settings import TOKEN_VARIABLE
 from lachesis.run.config import RunConfig
-from lachesis.run.layout import Placement, free_port, url_answers
+from lachesis.run.layout import Placement, free_port, held_port, url_answers
 
 log = logging.getLogger("lachesis.run")
 RUNNER_VARIABLE = "LACHESIS_RAY_RUNNER"
@@ -201,6 +201,9 @@ class ProcessRunner:
     def answers(self, url: str) -> bool:
         """Whether ``url`` answers 2xx from this node (a server on its loopback)."""
         return url_answers(url)
+
+    def held_port(self) -> int:
+        return held_port()
 
     def reads(self, path: str, content: str) -> bool:
         """Whether ``path`` holds ``content`` here (the run directory is shared)."""
@@ -430,6 +433,9 @@ class RayPlacement(Placement):
 
     def answers(self, name: str, url: str) -> bool:
         return self.ray.get(self.runner(name).answers.remote(url))
+
+    def rendezvous_port(self, name: str) -> int:
+        return self.ray.get(self.runner(name).held_port.remote())  # held by the actor
 
     def device_env(self, name: str, devices: list[int] | None) -> dict[str, str]:
         return {}  # Ray gives each actor its GPUs (its CUDA_VISIBLE_DEVICES)
