@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -80,9 +79,11 @@ def run(coro):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server a test starts: below the ephemeral range, where no outgoing
+    connection can take it before the server binds it (vllm_process.free_port)."""
+    from environments.inference.vllm_process import free_port as pick
+
+    return pick()
 
 
 class APIProcess:

@@ -443,6 +443,8 @@ def test_a_dead_openenv_server_is_restarted_on_its_address_until_its_restarts_ar
     assert message.count("$ ") == 1  # this start's tail, not the first start's
     assert message.endswith("to continue the run from its last checkpoint: "
                             "lachesis run run.yaml --resume")
+
+
 def test_a_rendezvous_port_is_held_until_rank_0_binds_it(monkeypatch):
     """The trainer's ranks on Ray rendezvous at a port picked before rank 0 starts: held
     by the picking process, no other program's bind, nor another pick, can take it in
