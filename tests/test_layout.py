@@ -474,3 +474,20 @@ def test_a_rendezvous_port_is_held_until_rank_0_binds_it(monkeypatch):
         random.seed(0)
         draws.append([vllm_process.free_port() for _ in range(5)])
     assert draws[0] != draws[1]
+
+
+def test_a_guard_whose_starter_died_before_it_armed_runs_nothing(tmp_path):
+    """A guard started just before its supervisor dies would find the reaper as its parent
+    and keep running (orphans seen when a suite run was interrupted): it checks the pid
+    its starter gave it, and ends its group before the command starts."""
+    from lachesis.run.processes import GUARD_PARENT_VARIABLE
+
+    def guard(parent: int) -> tuple[int, bool]:
+        marker = tmp_path / f"ran-{parent}"
+        proc = subprocess.run([sys.executable, "-m", "lachesis.run.guard", "touch", str(marker)],
+                              cwd=REPO, env={**os.environ, GUARD_PARENT_VARIABLE: str(parent)},
+                              start_new_session=True, timeout=60)
+        return proc.returncode, marker.exists()
+
+    assert guard(os.getpid()) == (0, True)
+    assert guard(1) == (-signal.SIGKILL, False)  # 1: not its parent, as after a reaping

@@ -14,14 +14,16 @@ import signal
 import subprocess
 import sys
 
-from lachesis.run.processes import prctl_parent_death_signal
+from lachesis.run.processes import GUARD_PARENT_VARIABLE, prctl_parent_death_signal
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m lachesis.run.guard CMD [ARGS...]", file=sys.stderr)
         return 2
-    parent = os.getppid()
+    # The starter's pid as it gave it: if it died before this process got here, getppid()
+    # would already name the reaper and the check below would pass.
+    parent = int(os.environ.pop(GUARD_PARENT_VARIABLE, os.getppid()))
 
     def kill_group(signum, frame):
         os.killpg(0, signal.SIGKILL)

@@ -36,6 +36,12 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
+GUARD_PARENT_VARIABLE = "LACHESIS_GUARD_PARENT"
+"""The pid of the process that started a guard: the guard dies at once when its parent is
+no longer that one (its starter died before the guard had armed its parent-death signal;
+``getppid()`` read by the guard itself would already name the reaper then)."""
+
+
 def prctl_parent_death_signal(sig: int) -> None:
     """The kernel sends ``sig`` to this process when its parent dies."""
     _prctl(_PR_SET_PDEATHSIG, sig)
@@ -69,7 +75,8 @@ class ChildProcess:
             log.flush()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "lachesis.run.guard", *self.command],
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env,
+                     GUARD_PARENT_VARIABLE: str(os.getpid())},
                 stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True)
         return self
 

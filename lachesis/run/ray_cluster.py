@@ -49,6 +49,7 @@ from typing import Any
 from environments.settings import TOKEN_VARIABLE
 from lachesis.run.config import RunConfig
 from lachesis.run.layout import Placement, free_port, held_port, url_answers
+from lachesis.run.processes import GUARD_PARENT_VARIABLE
 
 log = logging.getLogger("lachesis.run")
 RUNNER_VARIABLE = "LACHESIS_RAY_RUNNER"
@@ -222,7 +223,7 @@ class ProcessRunner:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "lachesis.run.guard", *command], cwd=self.cwd,
                 env={**os.environ, **self.environment, "PYTHONUNBUFFERED": "1", **env,
-                     RUNNER_VARIABLE: self.marker},
+                     RUNNER_VARIABLE: self.marker, GUARD_PARENT_VARIABLE: str(os.getpid())},
                 stdin=subprocess.DEVNULL, stdout=out_file, stderr=log_file,
                 start_new_session=True)
         self.children[name] = (proc, log, out)
