@@ -325,3 +325,34 @@ def test_other_frameworks_env_names_resolve_or_say_what_is_wrong():
     if importlib.util.find_spec("verifiers") is None:  # the project's venv: not installed
         with pytest.raises(EnvNotFoundError, match=r"pip install 'lachesis-rl\[verifiers\]'"):
             load_env_class("verifiers:vf_add")
+
+
+@pytest.mark.vllm
+def test_a_verifiers_taskset_trains_under_lachesis_run(tiny_model_dir, verifiers_env_process,
+                                                      tmp_path):
+    """`verifiers:ID` as an `envs:` entry with the verifiers venv's `python`: the run
+    checks it there, starts its env server there, and the trainer trains on its groups."""
+    import json
+
+    from test_run import SHORT_RUN, run_id, start_run, write_config
+
+    from lachesis.run.processes import processes_of_run
+
+    python, _ = verifiers_env_process
+    config = write_config(
+        tmp_path, tiny_model_dir, "vf", warm_start=None, evaluate=False,
+        envs=[{"name": "verifiers:vf_add", "python": python,
+               "environment": {"PYTHONPATH": str(ADAPTER_ENVS)},
+               "settings": {"group_size": 4, "max_turns": 3, "max_tokens_per_turn": 24,
+                            "per_turn_scores": True, "keep_equal_score_groups": True}}],
+        train={**SHORT_RUN["train"], "steps": 2})
+    run = start_run(config)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "runs" / "vf"
+    assert processes_of_run(run_id(run_dir)) == []
+    command = (run_dir / "logs" / "env-verifiers_vf_add.log").read_text().splitlines()[0]
+    assert command.startswith(f"$ {python} -m lachesis.cli env serve verifiers:vf_add")
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["groups"] for m in metrics] == [2, 2]
+    assert all(m["groups_set_aside"] == 0 and m["mix/verifiers-vf_add"] == 2 for m in metrics)

@@ -395,35 +395,37 @@ def replica_pid(run: str, port: str) -> int:
     raise AssertionError(f"no vLLM process on port {port}")
 
 
-# 50-60 s; its parts are test_layout's (the commands the run makes for an atroposlib env:
-# atropos-generate over a replica, the env's own serve loop) and test_atropos's (that env
-# serving lachesis api, lachesis train training on it)
-@pytest.mark.slow
-def test_an_atropos_env_runs_under_lachesis_run(tiny_model_dir, tmp_path):
-    """An unchanged atroposlib env (tests/test_atropos.py's) as an `envs:` entry: the run
-    starts atropos-generate over its replica and the env's own serve loop once the
-    trainer has registered; the trainer trains on its groups."""
+def test_an_atropos_env_with_atroposlibs_defaults_runs_under_lachesis_run(tiny_model_dir,
+                                                                         tmp_path):
+    """An unchanged atroposlib env written with atroposlib's defaults (tests/test_atropos.py's:
+    ``chat_completion``, ``tokenize_for_trainer``, the default ``collect_trajectories``, no
+    ``inference_logprobs``) as an `envs:` entry: the run starts atropos-generate over its
+    replica and the env's own serve loop once the trainer has registered; the trainer
+    trains on every group it sends, none set aside."""
     import sqlite3
 
-    from test_atropos import ATROPOS_ENV
+    from test_atropos import DEFAULTS_ATROPOS_ENV
 
-    env_file = tmp_path / "letter_e_atropos.py"
-    env_file.write_text(ATROPOS_ENV)
+    env_file = tmp_path / "letter_e_defaults.py"
+    env_file.write_text(DEFAULTS_ATROPOS_ENV)
     config = write_config(
         tmp_path, tiny_model_dir, "atropos", warm_start=None, evaluate=False,
-        envs=[{"name": f"{env_file}:LetterEEnv", "settings": {"env": {"max_num_workers": 2}}}],
+        envs=[{"name": f"{env_file}:LetterEDefaultsEnv",
+               "settings": {"env": {"max_num_workers": 2}}}],
         train={**SHORT_RUN["train"], "steps": 2})
     run = start_run(config)
     out, err = run.communicate(timeout=600)
     assert run.returncode == 0, err[-3000:]
     run_dir = tmp_path / "runs" / "atropos"
     assert processes_of_run(run_id(run_dir)) == []
-    assert {"atropos-generate", "env-letter_e_atropos.py_LetterEEnv"} <= \
+    assert {"atropos-generate", "env-letter_e_defaults.py_LetterEDefaultsEnv"} <= \
         {p.stem for p in (run_dir / "logs").glob("*.log")}
     metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
     assert [m["groups"] for m in metrics] == [2, 2]
+    assert all(m["groups_set_aside"] == 0 and m["sequences_without_behaviour_logprobs"] == 8
+               for m in metrics)
     with sqlite3.connect(run_dir / "api" / "queue.sqlite") as db:
         envs = {json.loads(record)["desired_name"] for (record,) in
                 db.execute("SELECT record FROM envs")}
         trained = db.execute("SELECT count(*) FROM groups WHERE state = 'done'").fetchone()[0]
-    assert envs == {"letter_e_atropos"} and trained == 4
+    assert envs == {"letter_e_defaults"} and trained == 4
