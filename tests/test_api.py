@@ -388,3 +388,35 @@ def test_the_policy_model_name_travels_with_the_version_to_the_envs_requests():
             assert (env.policy_version, env._pool.model) == (2, "policy-lora-v000002")
             assert (await client.status())["policy_model"] == "policy-lora-v000002"
     run(scenario())
+
+
+
+def test_a_group_delivered_while_a_status_poll_is_in_flight_still_counts(tmp_path):
+    """Pacing (``max_queued_groups``): the API answers a status poll, then a group of the
+    env is delivered before the answer is read. The env's count must include that group;
+    taking the API's older answer as it is would let the env run a group further ahead
+    than its limit."""
+    from environments import BaseEnv, EnvConfig
+    from environments.framework.delivery import APIDelivery
+    from environments.framework.runner import _deliver, poll_status
+
+    env = BaseEnv(EnvConfig(max_queued_groups=2))
+
+    class DeliversDuringThePoll(RolloutAPIClient):
+        async def env_status(self, env_id):
+            answer = await super().env_status(env_id)  # the API's count, before ...
+            await _deliver(env, APIDelivery(self, tmp_path / "spool.jsonl"),
+                           make_group(env_id=env_id, seed=env.stats.groups_sent))  # ... this
+            return answer
+
+    async def scenario():
+        async with running_api() as (url, _), DeliversDuringThePoll(url) as client, \
+                RolloutAPIClient(url) as plain:
+            env.env_id = (await plain.register_env("e", group_size=2,
+                                                   max_token_length=64))["env_id"]
+            for held in (1, 2):
+                await poll_status(env, client)  # the answer misses the push made meanwhile
+                assert (await plain.env_status(env.env_id))["self_queue_size"] == held
+                assert env.queued_groups == held
+
+    run(scenario())

@@ -244,6 +244,11 @@ async def register(env: Any, client: RolloutAPIClient) -> dict[str, Any]:
 
 
 async def poll_status(env: Any, client: RolloutAPIClient) -> None:
+    """Take the API's policy version and queue count. A group delivered while the poll
+    is in flight may be missing from the API's answer, so it is added back: the count
+    errs high by at most the groups delivered meanwhile (the next poll corrects it),
+    never low, which would let an env run further ahead than ``max_queued_groups``."""
+    sent_before = env.stats.groups_sent
     status = await client.status()
     env.policy_version = status.get("policy_version", env.policy_version)
     if status.get("policy_model"):
@@ -251,9 +256,11 @@ async def poll_status(env: Any, client: RolloutAPIClient) -> None:
     env_id = getattr(env, "env_id", None)
     if env.config.max_queued_groups is not None and env_id is not None:
         own = await client.env_status(env_id)  # this env's own groups in the queue
-        env.queued_groups = own.get("self_queue_size", env.queued_groups)
+        queued = own.get("self_queue_size")
     else:
-        env.queued_groups = status.get("queue_size", env.queued_groups)
+        queued = status.get("queue_size")
+    if queued is not None:
+        env.queued_groups = queued + env.stats.groups_sent - sent_before
 
 
 async def follow_status(env: Any, client: RolloutAPIClient, interval_s: float = 0.5) -> None:
