@@ -47,7 +47,9 @@ class InferenceError(RuntimeError):
 
 class ContextLengthError(InferenceError):
     """The server refused the prompt as longer than its ``max_model_len`` (vLLM: 400,
-    "This model's maximum context length is ..."). The start check
+    "This model's maximum context length is ..." on ``/v1/completions``, "The decoder
+    prompt (length N) is longer than the maximum model length of M" on the generate
+    route). The start check
     (:mod:`environments.framework.limits`) keeps envs' limits within it; this is what a
     server that did not report its limit, or one restarted with a smaller one, answers."""
 
@@ -311,7 +313,7 @@ class VLLMServerPool:
                     if response.status >= 400:
                         message = data.get("error", data) if isinstance(data, dict) else data
                         error = ContextLengthError if response.status == 400 and \
-                            "maximum context length" in str(message) else InferenceError
+                            _refuses_the_context(message) else InferenceError
                         raise error(f"{server.url} refused the request "
                                     f"({response.status}): {message}")
                 return self._completion(data, server.url)
@@ -356,6 +358,13 @@ class VLLMServerPool:
 
 class _ServerFault(Exception):
     pass
+
+
+def _refuses_the_context(message: Any) -> bool:
+    """Whether a vLLM 400 says the prompt does not fit ``max_model_len`` (each route words
+    it its own way)."""
+    text = str(message)
+    return "maximum context length" in text or "longer than the maximum model length" in text
 
 
 GENERATE_ROUTE = "/inference/v1/generate"
