@@ -6,8 +6,9 @@ must have run. Prints the fault log and the accounting; exits 1 when a check fai
 
     python benchmarks/chaos.py CONFIG --faults 8 --seed 1
 
-A fault lands a random 0-3 s after the trainer logged a randomly chosen step: during a
-step, a weight sync, a checkpoint write or an evaluation, wherever that falls. Each
+A fault lands a random share of a step's duration (the last logged ``time/step``) after
+the trainer logged a randomly chosen step, so inside the next step however fast steps
+are here: during a step, a weight sync, a checkpoint write or an evaluation, wherever that falls. Each
 fault waits until the run has recovered from the one before (the trainer logged a step
 past the step of that fault). ``--fresh-rl`` keeps an existing warm start and starts the
 RL phase over (the warm start is what takes long on a CPU).
@@ -46,8 +47,10 @@ class Fault:
     kind: str
     step: int
     """Strikes once the trainer has logged this step..."""
-    delay_s: float
-    """...this long after."""
+    fraction: float
+    """...this share of a step's duration after (the last step's ``time/step``), so the
+    fault lands inside the next step however fast steps are on this machine."""
+    delay_s: float = 0.0
     at_step: int | None = None
     pids: list[int] = field(default_factory=list)
     at_s: float = 0.0
@@ -67,7 +70,7 @@ def plan(n: int, kinds: list[str], steps: int, rng: random.Random) -> list[Fault
     if n > len(candidates):
         raise SystemExit(f"{n} faults need at least {n + 3} steps (train.steps is {steps})")
     at = sorted(rng.sample(candidates, n))
-    return [Fault(kind, step, round(rng.uniform(0.0, 3.0), 2))
+    return [Fault(kind, step, round(rng.uniform(0.0, 1.0), 2))
             for kind, step in zip(order[:n], at)]
 
 
@@ -113,6 +116,11 @@ class Chaos:
 
     def step(self) -> int:
         return (last_metrics(self.metrics) or {}).get("step", 0)
+
+    def step_seconds(self) -> float:
+        """The last logged step's duration (1 s before any is logged)."""
+        last = last_metrics(self.metrics) or {}
+        return float(last.get("time/step") or last.get("step_seconds") or 1.0)
 
     def wait_step(self, step: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -162,6 +170,7 @@ class Chaos:
             self.start_run("--fresh")
         for fault in faults:
             self.wait_step(fault.step, args.timeout_s)
+            fault.delay_s = fault.fraction * self.step_seconds()
             time.sleep(fault.delay_s)
             self.strike(fault)
             print(f"[{fault.at_s:7.1f} s] step {fault.at_step}: killed {fault.kind} "
