@@ -135,9 +135,12 @@ def send_token_to(origins: set[str], token: str) -> None:
     """Make every aiohttp and httpx request of this process to one of ``origins`` carry
     ``Authorization: Bearer TOKEN`` (an unchanged atroposlib env makes its own sessions,
     without a header: its rollout-API calls have none, its inference calls the configured
-    ``api_key``). Requests elsewhere are left as they are: the token goes nowhere else."""
+    ``api_key``). Requests elsewhere are left as they are: the token goes nowhere else.
+    httpx's async client and, where installed, httpx2's (the client of openai 3.x, through
+    which atroposlib's ``chat_completion`` goes) are both covered."""
+    import importlib
+
     import aiohttp
-    import httpx
 
     header = f"Bearer {token}"
     request = aiohttp.ClientSession._request
@@ -147,12 +150,21 @@ def send_token_to(origins: set[str], token: str) -> None:
             headers = {**dict(headers or {}), "Authorization": header}
         return await request(self, method, str_or_url, *args, headers=headers, **kwargs)
 
-    send = httpx.AsyncClient.send
+    aiohttp.ClientSession._request = _request
+    for name in ("httpx", "httpx2"):
+        try:
+            client = importlib.import_module(name).AsyncClient
+        except ImportError:
+            continue
+        client.send = _send_with_token(client.send, origins, header)
 
-    async def send_with_token(self, request: httpx.Request, *args, **kwargs):
+
+def _send_with_token(send, origins: set[str], header: str):
+    """``AsyncClient.send`` of httpx or httpx2, adding ``header`` for ``origins``."""
+
+    async def send_with_token(self, request, *args, **kwargs):
         if origin(str(request.url)) in origins:
             request.headers["Authorization"] = header
         return await send(self, request, *args, **kwargs)
 
-    aiohttp.ClientSession._request = _request
-    httpx.AsyncClient.send = send_with_token
+    return send_with_token

@@ -6,9 +6,11 @@ probed by :func:`check_the_run_is_guarded` below."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -105,32 +107,44 @@ def test_the_atropos_bridge_wants_the_token_and_passes_it_on(vllm_server):
 
 def test_an_atropos_envs_own_sessions_carry_the_token_to_the_run_and_nowhere_else(
         monkeypatch, tmp_path):
-    """An unchanged atroposlib env opens plain aiohttp sessions to the rollout API:
+    """An unchanged atroposlib env opens plain aiohttp sessions to the rollout API and
+    calls its inference servers through the ``openai`` client (httpx2 in openai 3.x):
     ``lachesis env serve`` makes those to the run's API and bridge (named in its settings
     file) carry the token, and requests to any other address none."""
     import httpx
+    import openai
 
     from lachesis.env_kinds import atropos_token_origins, send_token_to
 
     monkeypatch.setattr(aiohttp.ClientSession, "_request", aiohttp.ClientSession._request)
-    monkeypatch.setattr(httpx.AsyncClient, "send", httpx.AsyncClient.send)
-    seen = []
+    for name in ("httpx", "httpx2"):
+        if (module := sys.modules.get(name) or _optional(name)) is not None:
+            monkeypatch.setattr(module.AsyncClient, "send", module.AsyncClient.send)
+    seen, bridge_seen = [], []
 
     async def echo(request):
         seen.append(request.headers.get("Authorization"))
         return aiohttp.web.json_response({})
 
+    async def models(request):
+        bridge_seen.append(request.headers.get("Authorization"))
+        return aiohttp.web.json_response({"object": "list", "data": []})
+
     async def scenario():
-        other_app = aiohttp.web.Application()
+        other_app, bridge_app = aiohttp.web.Application(), aiohttp.web.Application()
         other_app.router.add_route("*", "/{tail:.*}", echo)
+        bridge_app.router.add_get("/v1/models", models)
         other = TestServer(other_app, host="127.0.0.1")
+        bridge = TestServer(bridge_app, host="127.0.0.1")
         await other.start_server()
+        await bridge.start_server()
         async with running_api(token="s3cret") as (api_url, api):
             settings = tmp_path / "env.yaml"
             settings.write_text(yaml.safe_dump({
                 "env": {"rollout_server_url": api_url},
-                "openai": {"base_url": str(other.make_url("/v1")).replace("127.0.0.1",
-                                                                          "localhost")}}))
+                "openai": [{"base_url": str(other.make_url("/v1")).replace("127.0.0.1",
+                                                                           "localhost")},
+                           {"base_url": str(bridge.make_url("/v1"))}]}))
             origins = atropos_token_origins(["serve", "--config", str(settings)])
             async with aiohttp.ClientSession() as session:
                 async with session.get(api_url + "/status") as response:
@@ -144,9 +158,21 @@ def test_an_atropos_envs_own_sessions_carry_the_token_to_the_run_and_nowhere_els
             async with httpx.AsyncClient() as client:
                 assert (await client.get(api_url + "/status")).status_code == 200
                 await client.get(str(other.make_url("/y")))
+            inference = openai.AsyncOpenAI(api_key="x", base_url=str(bridge.make_url("/v1")))
+            await inference.models.list()  # how atroposlib's chat_completion calls reach it
+            await inference.close()
         await other.close()
+        await bridge.close()
     run(scenario())
     assert seen == [None, None]  # another port of this machine got no token
+    assert bridge_seen == ["Bearer s3cret"]  # the run's bridge got it, not the env's api_key
+
+
+def _optional(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 # -- under `lachesis run` ----------------------------------------------------------------
