@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 from conftest import make_group, running_api
@@ -91,3 +92,35 @@ def test_inspect_shows_dead_letters_and_saves_them_for_the_report(tmp_path, caps
     assert "outside the vocabulary" in printed
     (saved,) = list(read_groups(out))
     assert saved.group_id == bad.group_id and saved.trajectories[0].tokens == bad.trajectories[0].tokens
+
+
+def test_a_trainer_starved_of_batches_says_why_then_trains_when_groups_come(caplog):
+    """A run whose envs deliver nothing does not wait in silence: after
+    ``batch_wait_warning_s`` the trainer logs the API's reason (here: too few sequences
+    queued for the batch), and the batch is leased as soon as enough arrive."""
+    import logging
+
+    from trainer.sources import APIBatches
+
+    async def scenario():
+        async with running_api() as (url, api), RolloutAPIClient(url) as env:
+            config = TrainConfig(model="unused", api_url=url, batch_size=4,
+                                 lease_poll_s=0.05, batch_wait_warning_s=0.3)
+            source = APIBatches(config)
+            await source.register()
+            await env.push_group(make_group(2, seed=1))
+            waiting = asyncio.ensure_future(source.next())
+            await asyncio.sleep(0.8)
+            assert not waiting.done()
+            await env.push_group(make_group(2, seed=2))
+            batch = await asyncio.wait_for(waiting, 10)
+            await source.close()
+            return batch
+
+    with caplog.at_level(logging.WARNING, logger="lachesis.train"):
+        batch = asyncio.run(scenario())
+    assert len(batch.groups) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == "lachesis.train"]
+    assert 1 <= len(warnings) <= 3, warnings  # at 0.3 s, 0.6 s (and maybe 0.9 s), not per poll
+    assert re.match(r"no batch of 4 sequences for 0\.[3-9] s", warnings[0]), warnings[0]
+    assert "2 sequences queued (in 1 groups), fewer than batch_size 4" in warnings[0]

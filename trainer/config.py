@@ -46,6 +46,10 @@ class TrainConfig(BaseModel):
     max_token_length: int = Field(default=2048, ge=8)
     steps: int = Field(default=100, ge=1)
     lease_poll_s: float = Field(default=0.5, gt=0)
+    batch_wait_warning_s: float = Field(default=120.0, gt=0)
+    """Waiting this long for a batch logs a warning with the rollout API's reason (e.g. no
+    groups queued), and again each time as long again passes: a run whose env servers
+    deliver nothing (an inference server refusing them, a crashed env loop) says so."""
     max_untrainable_batches: int = Field(default=5, ge=1)
     """A batch with no group to train on (all set aside, or all dropped) is not a step:
     the trainer acknowledges it and takes the next. After this many such batches in a

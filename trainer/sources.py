@@ -154,12 +154,21 @@ class APIBatches:
                                                max_token_len=self.config.max_token_length)
 
     async def _lease(self) -> Batch:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        warn_at = start + self.config.batch_wait_warning_s
         while True:
             leased = await self.client.lease(self.config.batch_size)
             if leased is not None:
                 for rejected in leased.rejected:
                     log.error("setting aside %s", rejected)
                 return Batch(leased.groups, leased.lease_id, leased.rejected)
+            if loop.time() >= warn_at:
+                log.warning("no batch of %d sequences for %.1f s (the rollout API: %s); "
+                            "if that lasts, the env servers deliver nothing: see their logs",
+                            self.config.batch_size, loop.time() - start,
+                            self.client.no_batch_reason or "no reason given")
+                warn_at += self.config.batch_wait_warning_s
             await asyncio.sleep(self.config.lease_poll_s)
 
     async def next(self) -> Batch:

@@ -81,6 +81,8 @@ class RolloutAPIClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.gzip_min_bytes = gzip_min_bytes
         self._session: aiohttp.ClientSession | None = None
+        self.no_batch_reason: str | None = None
+        """Why the last :meth:`lease` found no batch, as the API said."""
 
     async def __aenter__(self) -> RolloutAPIClient:
         return self
@@ -161,10 +163,12 @@ class RolloutAPIClient:
 
     async def lease(self, batch_size: int | None = None,
                     trainer_id: str | None = None) -> LeasedBatch | None:
-        """Lease the next batch, or None when not enough data is queued yet."""
+        """Lease the next batch, or None when not enough data is queued yet (the API's
+        reason is then in :attr:`no_batch_reason`)."""
         data = await self.request("POST", "/lease",
                                   {"batch_size": batch_size, "trainer_id": trainer_id})
         if data["batch"] is None:
+            self.no_batch_reason = data.get("reason")
             return None
         groups, rejected = [], []
         for body in data["batch"]:
