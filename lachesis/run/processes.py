@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from environments.inference.vllm_process import stop_process_group
-
 RUN_ID_VARIABLE = "LACHESIS_RUN_ID"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -100,6 +98,10 @@ class ChildProcess:
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM the process group; SIGKILL it after ``grace_s``. Returns the exit code."""
+        # imported here: the guard (python -m lachesis.run.guard, one per process of a run)
+        # imports this module, and ``environments`` takes it most of a second to import
+        from environments.inference.vllm_process import stop_process_group
+
         return None if self.proc is None else stop_process_group(self.proc, grace_s)
 
 
