@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from environments.inference import weight_transfer as gloo
+from environments.inference.vllm_plugin import BACKENDS, plugin_pythonpath
 from environments.settings import bearer_headers, run_token
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def vllm_options(backend: str) -> tuple[list[str], dict[str, str]]:
     transfers over ``backend``; the gloo plugin is put on its path when the installed
     package does not declare it."""
     env = {}
-    if backend in gloo.BACKENDS and (path := gloo.plugin_pythonpath()) is not None:
+    if backend in BACKENDS and (path := plugin_pythonpath()) is not None:
         import os
 
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH"))
@@ -95,6 +95,7 @@ class ServerTransfer:
         import requests
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+        from environments.inference import weight_transfer as gloo
         from environments.inference.vllm_process import free_port
 
         gloo.register()
@@ -124,9 +125,11 @@ class ServerTransfer:
 
     def send(self, weights: dict[str, torch.Tensor]) -> None:
         """One update (blocking): connects first if needed."""
+        from environments.inference.weight_transfer import StateDictSource
+
         if self.engine is None:
             self.connect(weights)
-        self.engine.source = gloo.StateDictSource(weights)
+        self.engine.source = StateDictSource(weights)
         self.engine.send_weights()
 
     def close(self) -> None:

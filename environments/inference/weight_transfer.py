@@ -28,7 +28,6 @@ started from a source tree that is not pip-installed with it.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import socket
 import tempfile
@@ -42,10 +41,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-BACKENDS = ("gloo", "shm")
-PLUGIN_GROUP = "vllm.general_plugins"
-PLUGIN_NAME = "lachesis_weight_transfer"
-PLUGIN_TARGET = f"{__name__}:register"
+from environments.inference.vllm_plugin import (  # noqa: F401  (this module's API too)
+    BACKENDS,
+    PLUGIN_GROUP,
+    PLUGIN_NAME,
+    PLUGIN_TARGET,
+    plugin_installed,
+    plugin_pythonpath,
+)
 
 
 def register() -> None:
@@ -63,30 +66,6 @@ def register() -> None:
                               f"{prefix}TrainerWeightTransferEngine")):
             if backend not in factory._registry:
                 factory.register_engine(backend, __name__, cls)
-
-
-def plugin_installed() -> bool:
-    return any(e.name == PLUGIN_NAME and e.value == PLUGIN_TARGET
-               for e in importlib.metadata.entry_points(group=PLUGIN_GROUP))
-
-
-def plugin_pythonpath() -> str | None:
-    """A directory to put on a vLLM process's ``PYTHONPATH`` so that it finds the
-    ``lachesis_weight_transfer`` plugin entry point, or None when the installed package
-    declares it already. (A bare ``*.dist-info`` with ``entry_points.txt`` is all that
-    ``importlib.metadata`` needs.)"""
-    if plugin_installed():
-        return None
-    root = Path(tempfile.gettempdir()) / "lachesis-vllm-plugin"
-    info = root / "lachesis_vllm_plugin-0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    files = {"METADATA": "Metadata-Version: 2.1\nName: lachesis-vllm-plugin\nVersion: 0\n",
-             "entry_points.txt": f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n"}
-    for name, text in files.items():  # atomically: another process may be reading them
-        tmp = info / f".{name}.{os.getpid()}"
-        tmp.write_text(text)
-        os.replace(tmp, info / name)
-    return str(root)
 
 
 def _open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float):
