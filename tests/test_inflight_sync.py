@@ -12,8 +12,10 @@ import subprocess
 import sys
 import time
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import aiohttp
-import pytest
 import torch
 from test_trainer import LetterEEnv, hf_logprobs
 from transformers import AutoModelForCausalLM
@@ -24,8 +26,6 @@ from trainer.versions import token_versions
 from trainer.vllm_busy import BusySampler
 from trainer.vllm_sync import VLLMWeightSync
 from vllm_fixture import reload_original
-
-pytestmark = pytest.mark.vllm
 
 LONG = 2000
 """Tokens of the long turn: several seconds of generation on the tiny model here."""
@@ -135,3 +135,41 @@ def test_a_generation_spanning_a_keep_sync_continues_on_the_new_weights(vllm_ser
                    (t.metadata["turns"][0]["version_spans"] for t in group.trajectories))
     assert summary["alignment_mean_abs_diff"] < 1e-3
     assert summary["alignment_compared_tokens"] == compared
+
+
+def test_a_busy_sample_read_across_a_take_counts_in_neither_window():
+    """A ``/metrics`` read that begins while the server runs requests and answers after
+    ``take`` closed that window (a loaded machine) is not counted in the next window: the
+    requests had ended by then (this made the test above see ``idle`` > 0 once)."""
+    in_read, release = threading.Event(), threading.Event()
+    running = {"now": 1}
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            value = running["now"]
+            if value:
+                in_read.set()
+                release.wait(10)
+            body = f"vllm:num_requests_running{{engine=\"0\"}} {value}.0\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    busy = BusySampler([f"http://127.0.0.1:{server.server_address[1]}"], interval_s=0.02)
+    try:
+        busy.start()
+        assert in_read.wait(10)  # a read of "1 running" is under way
+        busy.take()  # the requests end; the window closes
+        running["now"] = 0
+        release.set()
+        time.sleep(0.3)  # idle samples
+        assert busy.take() == 0.0
+    finally:
+        busy.stop()
+        server.shutdown()
