@@ -133,7 +133,12 @@ def api_process():
     yield factory
     for p in started:
         p.kill()
-from vllm_fixture import tiny_model_dir, transfer_vllm_server, vllm_server  # noqa: E402,F401  (one vLLM server per test session)
+from vllm_fixture import (  # noqa: E402,F401  (each vLLM server once per test session)
+    VLLM_FIXTURES,
+    tiny_model_dir,
+    transfer_vllm_server,
+    vllm_server,
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -150,7 +155,7 @@ def pytest_collection_modifyitems(config, items):
         callspec = getattr(item, "callspec", None)
         params = {str(v) for v in callspec.params.values()} if callspec else set()
         heavy = set()
-        if "vllm_server" in names or item.get_closest_marker("vllm"):
+        if names & VLLM_FIXTURES or item.get_closest_marker("vllm"):
             heavy.add("vllm")
         if "docker_image" in names or "docker" in params or item.get_closest_marker("docker"):
             heavy.add("docker")

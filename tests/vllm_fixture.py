@@ -18,6 +18,9 @@ import os
 import pytest
 
 TINY_MODEL_NAME = "tiny"
+VLLM_FIXTURES = {"vllm_server", "transfer_vllm_server"}
+"""The session's vLLM servers: a test that uses one (directly or through another fixture)
+is marked ``vllm`` (tests/conftest.py), so ``-m unit`` never starts one."""
 VLLM_MAX_MODEL_LEN = 4096
 
 
