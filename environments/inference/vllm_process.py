@@ -185,6 +185,11 @@ class VLLMProcess:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        # One process less to start (seconds of imports on a CPU): vLLM's CPU platform runs
+        # a single worker inside the engine core process instead of spawning one (it keeps
+        # the multiprocess executor only while this is 1; GPU and tensor-parallel servers
+        # are not affected, and the API server keeps its engine core process either way).
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(self.extra_env)
         if self.token is not None:

@@ -246,6 +246,7 @@ def build_layout(config: RunConfig, model: str | None = None,
                              log_path=logs / f"{name}.log")
         environment = server.environment()
         env = {k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
+                                           "VLLM_ENABLE_V1_MULTIPROCESSING",
                                            *sync_env) if k in environment}
         replicas.append(Process(name, server.command(), logs / f"{name}.log",
                                 env={**env, **place.device_env(name, devices)}, devices=devices,
