@@ -87,7 +87,9 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
     run = lachesis_run(config_path, two_nodes)
     run_dir = tmp_path / "runs" / "two_nodes"
     # while it trains: guarded by its token, every server on 127.0.0.1
-    wait_for(lambda: (run_dir / "logs" / "trainer-0.log").exists(), 900, "the RL phase", run)
+    # (the trainer starts while vLLM does; the env server once everything answers)
+    wait_for(lambda: (run_dir / "logs" / "env-arithmetic_tool.log").exists(), 900,
+             "the RL phase", run)
     rid = (run_dir / "run_id").read_text().strip()
     wait_for(lambda: len(trainer_pids(processes_of_run(rid))) >= 4, 60,  # 2 ranks, 2 guards
              "the RL ranks", run)

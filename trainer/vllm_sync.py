@@ -254,6 +254,26 @@ def vllm_options(config: Any) -> tuple[list[str], dict[str, str]]:
     return [], {}
 
 
+async def wait_until_answering(urls: list[str], poll_s: float = 0.5) -> None:
+    """Return once every server of ``urls`` answers ``/health``."""
+    waiting = list(urls)
+    said = False
+    while waiting:
+        for url in list(waiting):
+            try:
+                async with inference_session(timeout=aiohttp.ClientTimeout(total=5)) as session, \
+                        session.get(url + "/health") as response:
+                    if response.status == 200:
+                        waiting.remove(url)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                pass
+        if waiting:
+            if not said:
+                log.info("waiting for vLLM at %s to answer", ", ".join(waiting))
+                said = True
+            await asyncio.sleep(poll_s)
+
+
 @dataclass
 class SyncSample:
     """Tokens a server sampled for the post-sync check, with its logprobs of them."""
@@ -356,6 +376,10 @@ class PolicyServers:
             urls.append(await asyncio.to_thread(self.managed.start))
         if not urls:
             return
+        if self.config.vllm_supervised:
+            # The supervisor starts the trainer while its servers start (the model loads
+            # meanwhile) and stops the run if one does not come up.
+            await wait_until_answering(urls)
         self.sync = VLLMWeightSync(urls, self.run_dir / "weights",
                                    pause=self.config.sync_pause)
         from trainer.vllm_busy import BusySampler

@@ -5,9 +5,10 @@ Reads top to bottom:
 1. prepare the policy: build the tiny model if asked, SFT warm start on env
    demonstrations (skipped when its result exists);
 2. start the rollout API and the vLLM replicas (:mod:`lachesis.run.layout` says where
-   each process goes); wait until all answer;
+   each process goes), and the trainer once the API answers (it loads its model while
+   vLLM starts, then waits for groups); wait until all answer;
 3. evaluate every env (the "before" column);
-4. start the env servers and the trainer; show progress until the trainer finishes;
+4. start the env servers; show progress until the trainer finishes;
 5. evaluate again on the synced weights (the "after" column); write the summary table and
    the reward curve;
 6. always: stop every process of the run, then kill whatever still carries the run's id.
@@ -431,6 +432,11 @@ class Supervisor:
         replicas = [self.start_process(r) for r in layout.replicas]
         backends = [self.start_process(b) for b in layout.backends]
         self.wait_healthy(api, api_url + "/health", config.startup_timeout_s)
+        # The trainer loads its model while vLLM starts; it waits for the replicas to
+        # answer, and trains nothing before the env servers (started after the "before"
+        # evaluation) send it groups. A resumed trainer starts once the API has rolled
+        # back (below).
+        ranks = [] if self.resume else [self.start_process(p) for p in layout.trainers]
         for child, replica in zip(replicas, layout.replicas):
             self.wait_healthy(child, replica.url + "/health", config.vllm.startup_timeout_s)
         self.replica_names = {r.name for r in layout.replicas}
@@ -468,7 +474,7 @@ class Supervisor:
             for server in layout.envs:
                 if server.kind == "lachesis":
                     self.start_process(server)
-            ranks = [self.start_process(process) for process in layout.trainers]
+            ranks = ranks or [self.start_process(process) for process in layout.trainers]
             # An atroposlib env reads the batch size from the API once, when it starts: it
             # starts once the trainer has registered.
             waiting = [s for s in layout.envs if s.kind == "atropos"]
