@@ -80,6 +80,10 @@ from environments.trajectory import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CONCURRENCY = 16
+"""Rollouts in flight at once for an env with neither ``concurrency`` nor
+``max_queued_groups`` set (``lachesis env process``)."""
+
 
 class EnvConfig(BaseModel):
     """Settings of an environment. Layering: CLI flags > YAML file > class defaults."""
@@ -108,8 +112,11 @@ class EnvConfig(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     sampling_extra: dict[str, Any] = Field(default_factory=dict)
     """Extra sampling parameters sent as is (e.g. ``min_tokens``, ``top_k``)."""
-    concurrency: int = Field(default=16, ge=1)
-    """Rollouts in flight at once, across groups."""
+    concurrency: int | None = Field(default=None, ge=1)
+    """Rollouts in flight at once, across groups. None (the default): every rollout of
+    every group the env may have under way, ``group_size * max_queued_groups`` (under
+    ``lachesis run``: a whole batch, so the inference server batches them all instead of
+    a few at a time); without ``max_queued_groups``, ``DEFAULT_CONCURRENCY``."""
     # rollout API
     env_name: str | None = Field(default=None, min_length=1, max_length=200)
     """The name the env registers under and writes into its groups (default: the env
@@ -177,6 +184,14 @@ class EnvConfig(BaseModel):
     def load(cls, path: str | Path | None = None, **overrides: Any) -> EnvConfig:
         """Class defaults < YAML file (top level or under ``env:``) < ``overrides``."""
         return load_settings(cls, path, "env", overrides)
+
+    def rollout_slots(self) -> int:
+        """Rollouts in flight at most (``concurrency``, or what its default means)."""
+        if self.concurrency is not None:
+            return self.concurrency
+        if self.max_queued_groups is not None:
+            return self.group_size * self.max_queued_groups
+        return DEFAULT_CONCURRENCY
 
     def sampling(self, *, evaluation: bool = False) -> dict[str, Any]:
         temperature = self.eval_temperature if evaluation else self.temperature
@@ -300,7 +315,7 @@ class BaseEnv:
         self._pool = None
         self._failed_in_a_row = 0
         self.last_error: str | None = None
-        self._rollout_slots = asyncio.Semaphore(self.config.concurrency)
+        self._rollout_slots = asyncio.Semaphore(self.config.rollout_slots())
         self._draws: collections.Counter[tuple[str, str]] = collections.Counter()
         self._reward_functions = env_reward_functions(self)
         if self._reward_functions:

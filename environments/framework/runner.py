@@ -30,7 +30,7 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
     ``groups_per_policy_version`` set: :func:`run_lockstep`."""
     if env.config.groups_per_policy_version is not None:
         return await run_lockstep(env, delivery, n_groups, follows_policy=follows_policy)
-    workers = max(1, math.ceil(env.config.concurrency / env.config.group_size)) + 1
+    workers = max(1, math.ceil(env.config.rollout_slots() / env.config.group_size)) + 1
     if n_groups is not None:
         workers = min(workers, n_groups)
     reserved = delivered = in_progress = 0
