@@ -336,7 +336,9 @@ def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
                        "--nproc-per-node", str(nproc), "-m", "lachesis.cli", "train",
                        "--config", str(train_yaml)]
         return [Process(name, command, logs / f"{name}.log",
-                        env=place.device_env("trainer-0", devices), devices=devices,
+                        env={**(trainer_threads() if nproc == 1 else {}),  # (torchrun: 1)
+                             **place.device_env("trainer-0", devices)},
+                        devices=devices,
                         settings=None if settings is None else (train_yaml, settings),
                         slot="trainer-0")]
     master = {"MASTER_ADDR": place.host("trainer-0"),
@@ -346,6 +348,17 @@ def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
                     settings=(train_yaml, settings) if rank == 0 and settings is not None
                     else None,
                     slot=f"trainer-{rank}") for rank in range(nproc)]
+
+
+def trainer_threads() -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for a one-process trainer, unless the run's environment sets it:
+    half the machine's cores less one, at least 1. vLLM's engine and the env servers run
+    beside it; torch's default (a thread per core) made its OpenMP threads wait for each
+    other on cores the engine holds: on 2 cores the quickstart's update took 2.2 s with 2
+    threads, 0.8 s with 1 (benchmarks/rl_step_time.py, docs/benchmarks.md)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2 - 1))}
 
 
 def _kind(env: EnvSettings) -> str:
