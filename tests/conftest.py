@@ -135,6 +135,7 @@ def api_process():
         p.kill()
 from vllm_fixture import (  # noqa: E402,F401  (each vLLM server once per test session)
     VLLM_FIXTURES,
+    session_servers,
     tiny_model_dir,
     transfer_vllm_server,
     vllm_server,

@@ -2,12 +2,13 @@
 
 Re-export from tests/conftest.py with
 
-    from vllm_fixture import tiny_model_dir, vllm_server  # noqa: F401
+    from vllm_fixture import session_servers, tiny_model_dir, vllm_server  # noqa: F401
 
 (tests/ is not a package; pytest puts tests/ on sys.path, which is how the tests already
 `from conftest import ...`.) `tiny_model_dir` is a tied Qwen2. `vllm_server` yields the running `VLLMProcess`: `.url`,
-`.model_dir`, `.model_name`, `.log_path`. It starts once per session (~50 s on 2 cores,
-plus ~20 s for the first request) and is skipped when vllm is not installed.
+`.model_dir`, `.model_name`, `.log_path`. It starts once per session (~40 s on 2 cores,
+plus ~20 s for the first request) and is skipped when vllm is not installed;
+`transfer_vllm_server`, when the session's tests use it too, starts beside it.
 """
 
 from __future__ import annotations
@@ -34,32 +35,8 @@ def tiny_model_dir(tmp_path_factory):
                            tied=True)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir, tmp_path_factory):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed")
-    from environments.inference.vllm_process import VLLMProcess
-
-    log_dir = tmp_path_factory.mktemp("vllm")
-    server = VLLMProcess(tiny_model_dir, served_model_name=TINY_MODEL_NAME,
-                         max_model_len=VLLM_MAX_MODEL_LEN, dev_mode=True,
-                         extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                         log_path=log_dir / "server.log")
-    server.start()
-    try:
-        server.wait_ready(timeout=float(os.environ.get("LACHESIS_VLLM_START_TIMEOUT", "300")))
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def transfer_vllm_server(tiny_model_dir, tmp_path_factory):
-    """A second server of the tests' model that also hot-loads LoRA adapters and takes
-    in-memory weight transfers (the shm backend), served as ``tiny`` (test_weight_sync.py,
-    test_gpu_suite.py)."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed")
+def _server_specs(model_dir, log_dir) -> dict:
+    """The session's servers of the tests' model, by fixture name (none started)."""
     from environments.inference.vllm_process import VLLMProcess
     from trainer.lora import LoraSettings
     from trainer.lora import vllm_options as lora_options
@@ -67,12 +44,72 @@ def transfer_vllm_server(tiny_model_dir, tmp_path_factory):
 
     lora_args, lora_env = lora_options(LoraSettings(rank=8))
     transfer_args, transfer_env = transfer_options("shm")
-    process = VLLMProcess(tiny_model_dir, served_model_name=TINY_MODEL_NAME, max_model_len=1024,
-                          dev_mode=True, extra_args=[*lora_args, *transfer_args],
-                          env={**lora_env, **transfer_env},
-                          log_path=tmp_path_factory.mktemp("vllm") / "transfer-server.log")
-    with process:
-        yield process
+    return {
+        "vllm_server": VLLMProcess(
+            model_dir, served_model_name=TINY_MODEL_NAME, max_model_len=VLLM_MAX_MODEL_LEN,
+            dev_mode=True,
+            extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+            log_path=log_dir / "server.log"),
+        # hot-loads LoRA adapters and takes in-memory weight transfers (the shm backend)
+        "transfer_vllm_server": VLLMProcess(
+            model_dir, served_model_name=TINY_MODEL_NAME, max_model_len=1024, dev_mode=True,
+            extra_args=[*lora_args, *transfer_args], env={**lora_env, **transfer_env},
+            log_path=log_dir / "transfer-server.log"),
+    }
+
+
+class SessionServers:
+    """Each of the session's servers starts once, when the first test needs one of them,
+    together with every other one the session's selected tests use: their start-ups
+    overlap (2 cores: most of a start-up is one busy core)."""
+
+    def __init__(self, specs: dict, needed: set[str]):
+        self.specs = specs
+        self.needed = needed
+        self.failed: dict[str, BaseException] = {}
+
+    def get(self, name: str):
+        for other in sorted(self.needed | {name}):
+            self.specs[other].start()  # (no-op when running)
+        if name in self.failed:
+            raise self.failed[name]
+        try:
+            return self.specs[name].wait_ready(
+                timeout=float(os.environ.get("LACHESIS_VLLM_START_TIMEOUT", "300")))
+        except BaseException as error:
+            self.failed[name] = error  # not started again by every later test
+            raise
+
+    def stop(self) -> None:
+        for server in self.specs.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def session_servers(tiny_model_dir, tmp_path_factory, request):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    needed = {name for item in request.session.items for name in VLLM_FIXTURES
+              if name in getattr(item, "fixturenames", ())}
+    servers = SessionServers(_server_specs(tiny_model_dir, tmp_path_factory.mktemp("vllm")),
+                             needed)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(session_servers):
+    return session_servers.get("vllm_server")
+
+
+@pytest.fixture(scope="session")
+def transfer_vllm_server(session_servers):
+    """A second server of the tests' model that also hot-loads LoRA adapters and takes
+    in-memory weight transfers (the shm backend), served as ``tiny`` (test_weight_sync.py,
+    test_gpu_suite.py)."""
+    return session_servers.get("transfer_vllm_server")
 
 
 async def reload_original(server) -> None:
