@@ -21,7 +21,7 @@ UV_SOURCES = --index-strategy unsafe-best-match \
 	$(addprefix --extra-index-url ,$(sort $(PIP_EXTRA_INDEX_URL) $(call pip_config,extra-index-url))) \
 	$(addprefix --find-links ,$(sort $(PIP_FIND_LINKS) $(call pip_config,find-links)))
 
-.PHONY: install test test-all test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
+.PHONY: install test test-serial test-all test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
 
 install: $(STAMP)
 
@@ -45,9 +45,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, transformers, vllm, docker, datasets, atroposlib, ray, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(STAMP)
 
-# The suite without the tests marked slow (pytest.ini markers), which `test-all` adds.
+# The suite without the tests marked slow (pytest.ini markers), which `test-all` adds, as
+# two pytest sessions at once: the `unit` tests (they start none of vLLM, docker, Chromium,
+# Ray: markers set in tests/conftest.py) beside the others, which run one at a time in one
+# session (they share its vLLM servers and the docker daemon) and leave a core idle for
+# much of it. Each session ends with its 15 slowest tests, the unit session's report after
+# the other's; `make test` fails if either fails (pytest's 5, no test selected, is no
+# failure). `make test-serial`: the same tests in one session. TESTS=paths narrows either.
+TESTS ?=
 test: install
-	$(PY) -m pytest -q -m "not slow" --durations=15
+	@unit_log=$$(mktemp); \
+	$(PY) -m pytest -q -m "unit and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
+	    > $$unit_log 2>&1 & unit=$$!; \
+	$(PY) -m pytest -q -m "not unit and not slow" --durations=15 $(TESTS); heavy=$$?; \
+	wait $$unit; unit_rc=$$?; \
+	echo "==== the unit tests (-m unit), run beside the above ===="; cat $$unit_log; \
+	rm -f $$unit_log; \
+	echo "make test: heavy tests exit $$heavy, unit tests exit $$unit_rc"; \
+	case "$$heavy $$unit_rc" in [05]\ [05]) ;; *) exit 1 ;; esac
+
+test-serial: install
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(TESTS)
 
 test-all: install
 	$(PY) -m pytest -q
