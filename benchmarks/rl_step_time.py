@@ -281,6 +281,8 @@ def measure(name: str, variant: dict[str, Any], args: argparse.Namespace) -> dic
     return {
         "variant": name, "settings": variant, "steps": len(timed),
         "median_step_s": statistics.median(step_s),
+        "mean_step_s": statistics.mean(step_s),  # stalls show here, not in the median
+        "max_step_s": max(step_s),
         "median_batch_wait_s": statistics.median(s["time/batch_wait"] for s in timed),
         "median_train_s": statistics.median(s["time/train"] for s in timed),
         "median_sync_s": statistics.median(s["time/sync"] for s in timed),
@@ -364,15 +366,16 @@ def main() -> None:
             print(json.dumps(result), flush=True)
     by_name = {n: [r for r in results if r["variant"] == n] for n in names}
     base = statistics.median(r["median_step_s"] for r in by_name[names[0]])
-    print("\n| variant | median s/step | x first | completions/s | rollout gen s | turn s "
+    print("\n| variant | median s/step | x first | mean s/step | max s/step | completions/s | rollout gen s | turn s "
           "(env) | vLLM e2e s | queue s | prefill s | decode s | running | prefix hits |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         rs = by_name[name]
         step = statistics.median(r["median_step_s"] for r in rs)
         r = rs[-1]
         v = r["vllm_request_s"]
-        print(f"| {name} | {step:.2f} | {step / base:.2f} | "
+        print(f"| {name} | {step:.2f} | {step / base:.2f} | {r['mean_step_s']:.2f} | "
+              f"{r['max_step_s']:.2f} | "
               f"{statistics.median(x['completions_per_s'] for x in rs):.1f} | "
               f"{fmt(r['rollout_generation_s'])} | {fmt(r['turn_s_env_side'])} | "
               f"{fmt(v['end_to_end'])} | {fmt(v['queue'])} | {fmt(v['prefill'])} | "

@@ -1,0 +1,185 @@
+"""The quickstart's episodes per second through the env framework, against the engine's
+ceiling: the same work through vLLM's offline ``LLM.generate``, in one run.
+
+1. **Framework.** One vLLM server (the quickstart's settings: float32, eager,
+   ``max_model_len`` 1024, 1 GiB of KV cache) serves the policy (``--model``: the
+   quickstart's warm start). The real ``arithmetic_tool`` env, with the quickstart's env
+   settings (group size 8, 3 turns, 48 tokens a turn, temperature 1; ``--concurrency``:
+   the env's setting, its default unless given), collects ``--groups`` groups through
+   the framework (``BaseEnv.process``: the agent loop, the chat template, the tool-call
+   parser, the calculator, the turn rewards, the HTTP client and vLLM's API server),
+   after one warm-up group. Groups of equal scores are kept (so every episode sampled is
+   counted and replayed below). Result: episodes/s.
+2. **Engine ceiling.** The server is stopped; in a fresh process, ``vllm.LLM`` loads the
+   same model with the same settings, and the very turns the framework sampled are
+   replayed: for turn k, one ``LLM.generate`` call holds every episode's k-th turn, its
+   prompt the episode's recorded context before that turn (prompt, earlier turns, tool
+   results) and ``max_tokens`` the number of tokens the framework's turn sampled, with
+   ``ignore_eos`` so exactly that many are sampled (same temperature, ``logprobs=0`` as
+   the framework asks). Turn k+1 needs turn k's tool result, so the turns go in
+   ``max_turns`` batches, the fastest a multi-turn episode can go on this engine. One
+   untimed warm-up call first. Result: episodes/s = episodes / the summed seconds of
+   those calls.
+
+The script prints both, the ratio framework / ceiling and whether it meets the goal
+(>= 0.8); ``--json OUT`` writes them. Run it alone (heavy: it starts vLLM twice):
+
+    flock /tmp/lachesis-heavy.lock .venv/bin/python benchmarks/rollout_throughput.py \\
+        --model runs/quickstart/warm_start/final --json /tmp/rollout_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+GOAL = 0.8
+
+
+def quickstart() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The quickstart's env settings and vLLM settings."""
+    config = yaml.safe_load((REPO_ROOT / "configs" / "quickstart.yaml").read_text())
+    return config["envs"][0]["settings"], config.get("vllm", {})
+
+
+async def framework(model: str, url: str, groups: int, concurrency: int | None,
+                    out: Path) -> dict[str, Any]:
+    from environments.envs.arithmetic_tool import ArithmeticToolEnv
+
+    settings, _ = quickstart()
+    settings = {k: v for k, v in settings.items() if not k.startswith("eval")}
+    # max_queued_groups stays: offline it bounds the groups under way, as in the run
+    if concurrency is not None:
+        settings["concurrency"] = concurrency
+    env = ArithmeticToolEnv(ArithmeticToolEnv.config_class.model_validate({
+        **settings, "tokenizer": model, "inference_servers": [url],
+        "keep_equal_score_groups": True, "seed": 1}))
+    await env.start()
+    try:
+        await env.process(out.with_suffix(".warmup.jsonl"), 1)
+        before = env.stats.trajectories
+        started = time.monotonic()
+        await env.process(out, groups)
+        seconds = time.monotonic() - started
+        episodes = env.stats.trajectories - before
+    finally:
+        await env.close()
+    return {"episodes": episodes, "seconds": seconds, "episodes_per_s": episodes / seconds,
+            "concurrency": env.config.rollout_slots(), "groups": groups,
+            "failed_groups": env.stats.groups_failed}
+
+
+def replay_turns(groups_path: Path) -> list[list[tuple[list[int], int]]]:
+    """Per turn index, each episode's ``(context before the turn, tokens it sampled)``."""
+    by_turn: list[list[tuple[list[int], int]]] = []
+    n = 0
+    for line in groups_path.read_text().splitlines():
+        for trajectory in json.loads(line)["trajectories"]:
+            n += 1
+            tokens = trajectory["tokens"]
+            for k, (start, end) in enumerate(trajectory["turn_spans"]):
+                while len(by_turn) <= k:
+                    by_turn.append([])
+                by_turn[k].append((tokens[:start], end - start))
+    return by_turn
+
+
+def ceiling(model: str, groups_path: Path) -> dict[str, Any]:
+    """Runs in its own process (``--ceiling``): the recorded turns through ``LLM.generate``."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    settings, vllm_settings = quickstart()
+    llm = LLM(model=model, dtype="float32", enforce_eager=True,
+              max_model_len=vllm_settings.get("max_model_len", 1024),
+              gpu_memory_utilization=0.3, seed=0)
+    by_turn = replay_turns(groups_path)
+    episodes = len(by_turn[0])
+
+    def params(n_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=settings.get("temperature", 1.0),
+                              max_tokens=n_tokens, min_tokens=n_tokens, ignore_eos=True,
+                              logprobs=0)
+
+    warm = by_turn[0][:8]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in warm],
+                 [params(n) for _, n in warm], use_tqdm=False)
+    seconds, sampled = 0.0, 0
+    for turns in by_turn:
+        started = time.monotonic()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in turns],
+                               [params(n) for _, n in turns], use_tqdm=False)
+        seconds += time.monotonic() - started
+        got = [len(o.outputs[0].token_ids) for o in outputs]
+        if got != [n for _, n in turns]:
+            raise RuntimeError("the replay did not sample the recorded number of tokens")
+        sampled += sum(got)
+    return {"episodes": episodes, "seconds": seconds, "episodes_per_s": episodes / seconds,
+            "turn_batches": [len(t) for t in by_turn], "sampled_tokens": sampled}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="runs/quickstart/warm_start/final",
+                        help="the policy (the quickstart's warm start after `make demo`)")
+    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="rollouts in flight (default: the env's own default)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--ceiling", help=argparse.SUPPRESS)  # internal: GROUPS.jsonl
+    args = parser.parse_args()
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    if not Path(model, "config.json").exists():
+        sys.exit(f"--model {args.model}: no HF model there (run `make demo` first)")
+    if args.ceiling:
+        print("CEILING " + json.dumps(ceiling(model, Path(args.ceiling))), flush=True)
+        return
+
+    from environments.inference.vllm_process import VLLMProcess
+
+    _, vllm_settings = quickstart()
+    workdir = Path(tempfile.mkdtemp(prefix="rollout-throughput-"))
+    groups_path = workdir / "groups.jsonl"
+    with VLLMProcess(model, max_model_len=vllm_settings.get("max_model_len", 1024),
+                     kv_cache_space_gib=vllm_settings.get("kv_cache_gib", 1),
+                     log_path=workdir / "vllm.log") as server:
+        side = asyncio.run(framework(model, server.url, args.groups, args.concurrency,
+                                     groups_path))
+    print(f"framework: {side['episodes']} episodes in {side['seconds']:.2f} s = "
+          f"{side['episodes_per_s']:.1f} episodes/s (concurrency {side['concurrency']})",
+          flush=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm_settings.get("kv_cache_gib", 1))}
+    done = subprocess.run([sys.executable, __file__, "--model", model, "--ceiling",
+                           str(groups_path)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("CEILING ")), None)
+    if done.returncode != 0 or line is None:
+        sys.exit(f"the engine-ceiling run failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    top = json.loads(line.removeprefix("CEILING "))
+    ratio = side["episodes_per_s"] / top["episodes_per_s"]
+    print(f"engine ceiling (LLM.generate, {len(top['turn_batches'])} turn batches of "
+          f"{top['turn_batches']}): {top['episodes']} episodes in {top['seconds']:.2f} s = "
+          f"{top['episodes_per_s']:.1f} episodes/s")
+    print(f"framework / ceiling = {ratio:.2f} (goal >= {GOAL}: "
+          f"{'met' if ratio >= GOAL else 'NOT met'})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"framework": side, "ceiling": top,
+                                               "ratio": ratio, "goal": GOAL}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
