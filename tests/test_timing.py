@@ -53,6 +53,13 @@ def test_every_step_logs_where_its_time_went(tiny_model_dir, tmp_path):
     train_seconds = sum(r["time/train"] for r in rows)
     assert f"forward, backward, optimizer | {train_seconds:.1f} |" in table
     assert "generation 2.50" in table  # mean of the two batches' means
+    # a trainer that waited for its first batch from before the training phase (it starts
+    # while vLLM does): that wait is not counted in the training phase's rows
+    waited = [{**rows[0], "time/batch_wait": rows[0]["time/batch_wait"] + 30.0,
+               "time/step": rows[0]["time/step"] + 30.0}, rows[1]]
+    early = time_table({**phases, "training": sum(r["time/step"] for r in rows) + 2.0}, waited)
+    batch_wait = sum(r["time/batch_wait"] for r in rows) + 2.0
+    assert f"waiting for batches | {batch_wait:.1f} |" in early
     written = write_summary(tmp_path / "run", {"phases": phases},
                             tmp_path / "run/metrics.jsonl")
     assert written["time_table"] == table

@@ -102,9 +102,15 @@ def time_table(phases: dict[str, float], rows: list[dict[str, Any]]) -> str:
         if name == "training" and any("time/step" in r for r in rows):
             steps = [r for r in rows if "time/step" in r]
             in_steps = sum(r["time/step"] for r in steps)
+            # The trainer starts while vLLM does: what its first step waited for a batch
+            # before the training phase began is in the phases before it.
+            before = min(max(0.0, in_steps - seconds), steps[0].get("time/batch_wait", 0.0))
+            in_steps -= before
             counted = 0.0
             for part, label in _STEP_PARTS:
                 value = sum(r.get(f"time/{part}", 0.0) for r in steps)
+                if part == "batch_wait":
+                    value -= before
                 counted += value
                 lines.append(f"| &nbsp;&nbsp;{label} | {value:.1f} | "
                              f"{value / total:.0%} |" if total else
