@@ -376,6 +376,8 @@ class PolicyServers:
             urls.append(await asyncio.to_thread(self.managed.start))
         if not urls:
             return
+        if self.method == "transfer":  # vLLM's transfer engines: seconds of imports
+            from environments.inference import weight_transfer  # noqa: F401
         if self.config.vllm_supervised:
             # The supervisor starts the trainer while its servers start (the model loads
             # meanwhile) and stops the run if one does not come up.
