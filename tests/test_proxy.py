@@ -210,6 +210,52 @@ def test_an_agent_that_compacts_after_a_context_length_refusal_goes_on_in_a_new_
     assert state.stop == "answer"  # the refusal was not the end of the rollout
 
 
+def test_a_reply_the_agents_client_gave_up_on_is_kept_aside_not_trained_nor_scored(
+        vllm_server):
+    """The agent's OpenAI client times out on its second request (the first reply of that
+    turn is slow) and sends it again, as the openai library does. The proxy recorded the
+    slow reply, which the agent never saw: it leaves the trajectory (its tokens are not
+    trained, the retry's context is the first request's), is kept with the reason in the
+    metadata, and the turns the reward hook gets are the two the agent saw."""
+    async def main():
+        async with running_proxy(vllm_server) as (proxy, renderer, sampled):
+            pool = proxy.backend.pool
+            complete, calls = pool.complete, []
+
+            async def slow_second_call(prompt_ids, **kwargs):
+                calls.append(list(prompt_ids))
+                completion = await complete(prompt_ids, **kwargs)
+                if len(calls) == 2:
+                    await asyncio.sleep(3.0)  # past the client's timeout of 2 s
+                return completion
+
+            pool.complete = slow_second_call
+            rollout = proxy.open_rollout()
+            client = client_for(proxy, rollout)
+            first = (await client.chat.completions.create(
+                model="tiny", messages=START)).choices[0].message
+            history = START + [echo(first), {"role": "user", "content": "Check it again."}]
+            second = (await client.with_options(timeout=2.0, max_retries=1)
+                      .chat.completions.create(model="tiny", messages=history)
+                      ).choices[0].message
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return renderer, sampled, second, state, rollout
+
+    renderer, sampled, second, state, rollout = asyncio.run(main())
+    (p1, c1), (p2, abandoned), (p3, c3) = sampled
+    assert p3 == p2  # the retry's context is exactly the abandoned request's
+    assert len(state.turns) == 2 and rollout.requests == 3 and state.segment_starts == []
+    assert state.tokens == p3 + c3.token_ids  # the unseen reply's tokens are gone ...
+    start, end = state.turns[1].span
+    assert state.masks[start:end] == c3.token_ids and state.logprobs[start:end] == c3.logprobs
+    parsed = get_parser("hermes").parse(state.turns[1].text)
+    assert (second.content or "") == (parsed.content if parsed.calls else state.turns[1].text)
+    [kept] = state.extra["abandoned_replies"]  # ... and kept aside, with why
+    assert kept["token_ids"] == abandoned.token_ids and kept["turn"] == 1
+    assert "sent the request again" in kept["reason"]
+
+
 # vLLM's structured outputs make the random tiny model emit a well-formed calculator call
 # every turn: still vLLM's own sampled tokens and logprobs, only constrained.
 CALL_REGEX = (r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": '

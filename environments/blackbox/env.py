@@ -78,6 +78,9 @@ class AgentStats:
     """Requests whose history did not extend the recorded one."""
     refused_requests: int = 0
     """Requests the proxy refused (malformed, or past a limit), summed over rollouts."""
+    abandoned_replies: int = 0
+    """Replies the agent never saw (its client gave up and sent the request again): kept
+    in the trajectory's metadata, not trained."""
     refused_without_rollout: int = 0
     """Requests the proxy refused before it knew their rollout (malformed HTTP, an
     unknown rollout or path)."""
@@ -221,6 +224,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         stats = self.agent_stats
         stats.new_segments += len(rollout.segments) - 1 if rollout.segments else 0
         stats.refused_requests += rollout.refused
+        stats.abandoned_replies += len(rollout.abandoned)
         state.extra["agent"] = {"exit_code": result.exit_code, "seconds": round(result.duration_s, 2),
                                 "timed_out": result.timed_out, "requests": rollout.requests,
                                 "refused": rollout.refused, "limit": rollout.limit,
@@ -247,7 +251,9 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
     def to_trajectory(self, item: Any, rollout: Rollout, scores: Any) -> Any:
         trajectory = super().to_trajectory(item, rollout, scores)
         run = {k: v for k, v in rollout.extra.get("agent", {}).items() if not k.endswith("_tail")}
-        trajectory.metadata = {**trajectory.metadata, "agent": run}
+        abandoned = rollout.extra.get("abandoned_replies")
+        trajectory.metadata = {**trajectory.metadata, "agent": run,
+                               **({"abandoned_replies": abandoned} if abandoned else {})}
         return trajectory
 
     def describe_stats(self) -> dict[str, Any]:

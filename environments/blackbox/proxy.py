@@ -48,6 +48,16 @@ Content-Length or chunk) it answers 400 itself; the proxy counts those
 aiohttp's traceback. A 5xx means a vLLM failure (502) or a bug of the proxy (500, logged
 with its traceback); either fails the rollout.
 
+Abandoned replies: an agent whose client gave up on a request (a timeout) and sent it
+again never saw the first reply, which the proxy generated and recorded all the same. A
+request whose history is the recorded one without the reply just sent (the same messages
+and tools as the request that got it) is that retry: the unseen reply is taken out of
+the trajectory (its tokens are not trained, and the retry's context is what it was for
+the first request, so the tokens stay exactly what vLLM saw), kept in
+``extra["abandoned_replies"]`` (its text, token ids, finish reason, turn, and why), and
+the turn is sampled again. Reward hooks see only the turns the agent saw; an abandoned
+reply still counts as a model call toward ``max_turns``.
+
 The rollout's trajectory (:meth:`InterceptedRollout.to_rollout_state`) is one token
 sequence: its segments one after the other, with ``segment_starts`` marking where each new
 context begins (the trainer trains each segment as its own row).
@@ -325,6 +335,12 @@ class InterceptedRollout:
     seeds: Iterator[int] | None = None
     """The sampling seeds of the rollout that opened it (``seeded_sampling``): the
     agent's requests draw from them in the order they arrive."""
+    unseen: tuple[bool, bool] | None = None
+    """Set while the last thing recorded is a reply no later request has built on: the
+    segment's ``ended_with_eos`` and the rollout's ``truncated`` from before it (what
+    :meth:`InterceptionProxy._take_back_abandoned` restores)."""
+    abandoned: list[dict[str, Any]] = field(default_factory=list)
+    """Replies the agent never saw (it re-sent the request): see the module docstring."""
 
     def to_rollout_state(self) -> Rollout:
         """The trajectory so far: tokens of every segment, turns in order, the last
@@ -338,6 +354,8 @@ class InterceptedRollout:
         state.segment_starts = [s.start for s in self.segments[1:]]
         state.extra["segments"] = [{"start": s.start, "reason": s.reason,
                                     "messages": len(s.messages)} for s in self.segments]
+        if self.abandoned:
+            state.extra["abandoned_replies"] = self.abandoned
         if self.limit is not None:
             state.truncated, state.stop = True, self.limit
         elif state.turns and not state.stop:
@@ -541,15 +559,20 @@ class InterceptionProxy:
         tools = check_tools(body.tools)
         tools_key = json.dumps(tools, sort_keys=True, default=str)
         state = rollout.state
-        if len(state.turns) >= self.max_turns:
+        if len(state.turns) + len(rollout.abandoned) >= self.max_turns:
             rollout.limit = "max_turns"
             raise RequestError(f"this rollout may call the model {self.max_turns} times at "
                                "most", "max_turns_exceeded")
 
         segment = rollout.segments[-1] if rollout.segments else None
-        undo = self._undo_point(rollout)
-        reason = self._extends(segment, messages, tools_key)
-        if reason is None:  # append the new messages as context
+        if self._is_retry(rollout, segment, messages, tools_key):
+            self._take_back_abandoned(rollout, segment)  # the context is as it was for it
+            reason = None
+            undo = self._undo_point(rollout)
+        else:
+            undo = self._undo_point(rollout)
+            reason = self._extends(segment, messages, tools_key)
+        if reason is None and len(messages) > len(segment.messages):  # new messages
             new = messages[len(segment.messages):]
             try:
                 continuation = self.renderer.continuation(
@@ -597,6 +620,7 @@ class InterceptionProxy:
                                "context_length_exceeded") from None
         state.generation_seconds += time.monotonic() - asked
         start = len(state.tokens)
+        rollout.unseen = (segment.ended_with_eos, state.truncated)
         state.append(generated.token_ids, sampled=True, logprobs=generated.logprobs)
         segment.ended_with_eos = generated.ended_with_eos
         parsed = self.parser.parse(generated.text)
@@ -634,6 +658,37 @@ class InterceptionProxy:
             "usage": {"prompt_tokens": n_context, "completion_tokens": len(generated.token_ids),
                       "total_tokens": n_context + len(generated.token_ids)},
         }
+
+    @staticmethod
+    def _is_retry(rollout: InterceptedRollout, segment: Segment | None,
+                  messages: list[Message], tools_key: str) -> bool:
+        """Whether the request is the one that got the last reply, sent again: its
+        messages are the recorded ones without that reply (which no request built on)."""
+        if rollout.unseen is None or segment is None or tools_key != segment.tools_key:
+            return False
+        before = segment.messages[:-1]
+        return len(messages) == len(before) and all(
+            old.key == new.key for old, new in zip(before, messages))
+
+    @staticmethod
+    def _take_back_abandoned(rollout: InterceptedRollout, segment: Segment) -> None:
+        """Move the last reply, which the agent never saw, out of the trajectory into
+        ``rollout.abandoned``."""
+        state = rollout.state
+        turn = state.turns.pop()
+        start, end = turn.span
+        rollout.abandoned.append({
+            "turn": len(state.turns), "text": turn.text, "token_ids": state.tokens[start:end],
+            "finish_reason": turn.finish_reason, "policy_version": turn.policy_version,
+            "reason": "the agent sent the request again without this reply (its client "
+                      "gave up waiting for it): not trained, not scored"})
+        del state.tokens[start:], state.masks[start:], state.logprobs[start:]
+        segment.messages.pop()
+        segment.ended_with_eos, state.truncated = rollout.unseen
+        rollout.unseen = None
+        log.info("rollout %s: the agent re-sent its request; reply %d (%d tokens) was "
+                 "never seen: taken out of the trajectory", rollout.id, len(state.turns),
+                 end - start)
 
     @staticmethod
     def _extends(segment: Segment | None, messages: list[Message], tools_key: str) -> str | None:
