@@ -420,3 +420,54 @@ def test_a_group_delivered_while_a_status_poll_is_in_flight_still_counts(tmp_pat
                 assert env.queued_groups == held
 
     run(scenario())
+
+
+def test_a_batch_waits_up_to_mix_wait_s_for_the_env_its_weights_owe_and_a_restart_keeps_the_mix(
+        tmp_path):
+    """Weights 3 and 1, batches of 2 groups of 2. After a heavy + light batch the weights
+    owe the heavy env the next group: with only light groups queued the batch waits (and
+    says for whom), then after ``mix_wait_s`` the light env fills it, counted; the heavy env
+    is not waited for again until it delivers. The envs' credit in the mix is in the
+    queue's SQLite: a restarted API goes on with it."""
+    db = tmp_path / "q.sqlite"
+
+    async def scenario():
+        async with running_api(in_memory=False, db=db, mix_wait_s=1.0) as (url, api), \
+                RolloutAPIClient(url) as client:
+            await client.register_trainer(batch_size=4, max_token_len=64)
+            heavy, light = [(await client.register_env(
+                name, group_size=2, max_token_length=64, weight=w))["env_id"]
+                for name, w in (("heavy", 3.0), ("light", 1.0))]
+            seed = iter(range(100))
+            push = lambda env: client.push_group(make_group(env_id=env, seed=next(seed)))
+            for env in (light, light, heavy):
+                await push(env)
+            first = await client.lease()
+            assert sorted(g.env_id for g in first.groups) == [heavy, light]
+            await push(light)
+            assert await client.lease() is None  # light has a batch queued: held for heavy
+            assert "owe the next group to heavy_0" in api.why_no_batch(4)
+            await asyncio.sleep(1.1)
+            second = await client.lease()  # waited mix_wait_s: the light env fills it
+            assert [g.env_id for g in second.groups] == [light, light]
+            assert api.status()["counters"]["mix_waits_timed_out"] == 1
+            for env in (light, light):
+                await push(env)
+            assert await client.lease() is not None  # heavy is not waited for again ...
+            for env in (light, light, heavy, heavy):
+                await push(env)
+            third = await client.lease()  # ... until it delivers: the credit it kept
+            assert [g.env_id for g in third.groups] == [heavy, heavy]  # brings it in
+            for env in (light, light, heavy):
+                await push(env)
+            fourth = await client.lease()  # heavy is owed half a group after it
+            assert sorted(g.env_id for g in fourth.groups) == [heavy, light]
+            return dict(api.mix_credit)
+
+    credit = run(scenario())
+
+    async def restarted():
+        async with running_api(in_memory=False, db=db) as (url, api):
+            return dict(api.mix_credit)
+
+    assert run(restarted()) == credit == {0: 1.0, 1: -1.0}

@@ -278,20 +278,11 @@ def test_atropos_example_trainer_trains_on_groups_from_lachesis_env_serve(
     assert status["queue_size"] == 0 and status["counters"]["served_groups"] == 2
 
 
-def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_model_dir,
-                                                                           tmp_path):
-    """atroposlib's default ``collect_trajectories`` gathers ``ScoredDataItem`` dicts into
-    a group with ``[]`` for every optional list no item had; its ``handle_send_to_api``
-    posts that (gzipped) and writes it to its JSONL. Lachesis stores those keys as null,
-    the group trains, and Lachesis reads the JSONL."""
-    from environments.jsonl_store import read_groups
-    from atroposlib.envs.base import BaseEnv, BaseEnvConfig, ScoredDataItem, ServerBaseline
+def idle_env():
+    """An atroposlib env class with nothing to set up, evaluate or draw from."""
+    from atroposlib.envs.base import BaseEnv
 
-    from conftest import running_api
-
-    from environments.api.client import RolloutAPIClient
-
-    class ItemsEnv(BaseEnv):
+    class IdleEnv(BaseEnv):
         async def setup(self):
             pass
 
@@ -301,6 +292,23 @@ def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_
         async def get_next_item(self):
             return 0
 
+    return IdleEnv
+
+
+def test_groups_from_atroposlibs_default_collect_trajectories_are_accepted(tiny_model_dir,
+                                                                           tmp_path):
+    """atroposlib's default ``collect_trajectories`` gathers ``ScoredDataItem`` dicts into
+    a group with ``[]`` for every optional list no item had; its ``handle_send_to_api``
+    posts that (gzipped) and writes it to its JSONL. Lachesis stores those keys as null,
+    the group trains, and Lachesis reads the JSONL."""
+    from environments.jsonl_store import read_groups
+    from atroposlib.envs.base import BaseEnvConfig, ScoredDataItem, ServerBaseline
+
+    from conftest import running_api
+
+    from environments.api.client import RolloutAPIClient
+
+    class ItemsEnv(idle_env()):
         async def collect_trajectory(self, item):
             self.n = getattr(self, "n", 0) + 1
             tokens = [5, 6, 7 + self.n] * 200  # over 1 KB as JSON: atroposlib gzips it
@@ -465,3 +473,36 @@ def test_an_atroposlib_env_without_logprobs_is_trained_by_lachesis_train(tiny_mo
     assert all(m["groups_set_aside"] == 0 and m["sequences_without_behaviour_logprobs"] == 8
                and m["grad_norm"] > 0 and m["mismatch_kl"] == 0.0 for m in steps), steps
     assert status["dead_letters"] == 0 and status["counters"]["acked_groups"] == 4
+
+
+def test_under_lachesis_run_an_atroposlib_env_paces_on_its_own_groups(tiny_model_dir):
+    """atroposlib's env loop stops generating while ``/status-env``'s ``queue_size`` holds
+    ``max_batches_offpolicy`` batches, counting every env's groups: beside another env
+    with a batch queued it would never generate, and a batch that the weights owe it would
+    wait for it in vain. The API of ``lachesis run`` (``status_env_own_queue``) answers
+    with the env's own groups, so it paces as a lachesis env does: a batch of its own."""
+    from atroposlib.envs.base import BaseEnvConfig, ServerBaseline
+
+    from conftest import make_group, running_api
+
+    from environments.api.client import RolloutAPIClient
+
+    async def queue_sizes(own_queue: bool) -> list[int]:
+        async with running_api(status_env_own_queue=own_queue) as (url, _api), \
+                RolloutAPIClient(url) as client:
+            config = BaseEnvConfig(tokenizer_name=str(tiny_model_dir), use_wandb=False,
+                                   wandb_name="paced", group_size=2, rollout_server_url=url,
+                                   max_batches_offpolicy=1)
+            env = idle_env()(config, ServerBaseline(), testing=True)  # only its polls count
+            await env.register_env()
+            other = (await client.register_env("other", group_size=2,
+                                               max_token_length=64))["env_id"]
+            seen = []
+            for env_id in (other, other, env.env_id):  # the other env: a batch of 4
+                await client.push_group(make_group(env_id=env_id, seed=len(seen)))
+                await env.get_status()
+                seen.append(env.status_dict["queue_size"])
+            return seen
+
+    assert run(queue_sizes(False)) == [1, 2, 3]  # Atropos's own rule: the whole queue
+    assert run(queue_sizes(True)) == [0, 0, 1]

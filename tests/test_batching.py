@@ -63,3 +63,40 @@ def test_env_weights_mix_each_batch_and_the_run_by_weight():
     mix = [g.env_id for g in select_batch(both, 16, weights=weights, credit=credit)]
     assert sorted(mix) == [0, 0, 0, 1]
     assert seqs(select_batch(arrivals(8), 16)) == [0, 1, 2, 3]
+
+
+def test_a_batch_waits_for_the_env_its_weights_owe_and_a_slow_env_keeps_its_share():
+    """Weights 3 and 1, groups of 4, batches of 2 groups; env 1 always has a batch queued
+    and env 0 delivers late. Without waiting, every batch env 0 is late for goes to env 1
+    (the run drifts to 1:1); waiting for env 0 while the API hears from it keeps every
+    prefix of the run within half a group of 3:1, and a held call leaves the credit as it
+    was. An env that is not waited for (gone silent) does not hold the batch."""
+    weights, sizes = {0: 3.0, 1: 1.0}, {0: 4, 1: 4}
+
+    def run(waiting):
+        credit, held, counts, trained = {}, set(), {0: 0, 1: 0}, []
+        seq = 0
+        for step in range(12):
+            queue = [QueuedGroup(seq + i, f"b{seq + i}", 1, 4, None) for i in range(2)]
+            seq += 2
+            for attempt in range(3):  # env 0's group arrives after the trainer asked
+                before = dict(credit)
+                picked = select_batch(queue, 8, weights=weights, credit=credit,
+                                      waiting=waiting, held=held)
+                if picked is not None:
+                    break
+                assert held == {0} and credit == before  # held: nothing paid or earned
+                held.clear()
+                queue.append(QueuedGroup(seq, f"a{seq}", 0, 4, None))
+                seq += 1
+            for g in picked:
+                counts[g.env_id] += 1
+            trained.append(dict(counts))
+        return trained
+
+    waited = run(sizes)
+    assert all(abs(c[0] - 1.5 * (k + 1)) <= 0.5 for k, c in enumerate(waited)), waited
+    assert waited[-1] == {0: 18, 1: 6}
+    unwaited = run({})  # no env waited for: env 1's queued batch goes every time
+    assert unwaited[-1] == {0: 0, 1: 24}
+    assert run({1: 4})[-1] == {0: 0, 1: 24}  # env 0 silent: not waited for

@@ -244,6 +244,7 @@ def test_other_kinds_of_env_in_a_run_an_openenv_server_an_atropos_env_another_py
     assert "env_name" not in other.settings[1]
     # every env is paced by the run: at most a batch of its groups ahead of the trainer
     assert [e.settings[1]["max_queued_groups"] for e in (openenv, other)] == [2, 4]
+    assert layout.api.settings[1]["status_env_own_queue"]  # atroposlib envs: their own
     assert settings["env"] == {"max_batches_offpolicy": 1, "max_num_workers": 2,
                                "rollout_server_url": layout.api.url,
                                "tokenizer_name": "some/model", "use_wandb": False,

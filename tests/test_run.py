@@ -256,6 +256,44 @@ class LetterEEnv(TurnLevelRewardMixin, BaseEnv):
 """
 
 
+def test_two_envs_train_by_weight_and_neither_runs_more_than_a_batch_ahead(tiny_model_dir,
+                                                                           tmp_path):
+    """Weights 3 and 1, batches of 2 groups: after every step each env's trained groups are
+    within half a group of its weight's share (the API's deficit round robin, which waits
+    for the env the weights owe rather than filling with the other's queued groups; an
+    even number of steps splits exactly), each step's mix in the metrics. The run paces
+    both env servers (nothing in the config asks): at the end neither has pushed more
+    than a batch beyond what was trained."""
+    steps = 4
+    env_file = tmp_path / "letter_e.py"
+    env_file.write_text(LETTER_E_ENV + '\n\nclass LetterELight(LetterEEnv):\n'
+                        '    name = "letter_e_light"\n')
+    settings = {"group_size": 4, "max_turns": 1, "max_tokens_per_turn": 16}
+    config = write_config(
+        tmp_path, tiny_model_dir, "mix", warm_start=None, evaluate=False,
+        envs=[{"name": f"{env_file}:LetterEEnv", "weight": 3, "settings": settings},
+              {"name": f"{env_file}:LetterELight", "weight": 1, "settings": settings}],
+        train={**SHORT_RUN["train"], "steps": steps})
+    run = start_run(config)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "runs" / "mix"
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["groups"] for m in metrics] == [2] * steps
+    names = ("letter_e", "letter_e_light")
+    trained = dict.fromkeys(names, 0)
+    for k, m in enumerate(metrics, 1):
+        for name in names:
+            trained[name] += m.get(f"mix/{name}", 0)
+        assert abs(trained["letter_e"] - 1.5 * k) <= 0.5, (k, trained)
+    assert trained == {"letter_e": 3 * steps // 2, "letter_e_light": steps // 2}
+    pushed = {name: len((run_dir / "trajectories" / f"letter_e.py_{cls}.jsonl")
+                        .read_text().splitlines())
+              for name, cls in zip(names, ("LetterEEnv", "LetterELight"))}
+    # a batch holds 2 groups of 4: no env got further ahead (unpaced, envs push dozens)
+    assert all(pushed[name] - trained[name] <= 2 for name in names), (pushed, trained)
+
+
 def test_a_whole_node_on_cpu_survives_a_replica_killed_mid_run(tiny_model_dir, tmp_path):
     """The node layout on CPU: 2 vLLM replicas, a 2-process trainer (torchrun, gloo), two
     servers of a native env, and an OpenEnv server (openenv-core's create_app, in its own

@@ -8,12 +8,18 @@ Rules, in order:
    queued less than that, the batch waits for it (as Atropos does). Shares that add up
    to more than the batch are scaled down proportionally.
 3. The rest of the batch is filled with the oldest groups of any env that fit; with env
-   weights, by deficit round robin instead: every env with queued groups earns its weight's
-   share of the batch as credit (``credit_e += w_e / sum of those w * batch_size``), and
-   each next group is the oldest one that fits of the env with the most credit, which pays
-   its size. Credit carries over to the next batch (bounded by one batch either way), so
-   over a run each env's share of the trained sequences follows its weight even when one
-   batch cannot split exactly; an env with nothing queued earns nothing meanwhile.
+   weights, by deficit round robin instead: every env with queued groups (or that the
+   batch may wait for, below) earns its weight's share of the batch as credit
+   (``credit_e += w_e / sum of those w * batch_size``), and each next group is the
+   oldest one that fits of the env with the most credit, which pays its size. When that
+   env has nothing queued and is one the batch may wait for (``waiting``: the API passes
+   the envs it heard from lately, until the batch has waited ``mix_wait_s``), no batch is
+   made yet: taking another env's group instead would give the other env the owed env's
+   share, which is how a fast env crowds a slower one out of a run. Credit carries over
+   to the next batch (bounded by one batch either way), so over a run each env's share of
+   the trained sequences stays within a group of its weight's share even when one batch
+   cannot split exactly; an env with nothing queued that is not waited for earns nothing
+   meanwhile.
 4. A batch holds exactly ``batch_size`` sequences whenever the queued groups can make
    that number (a subset-sum search that prefers older groups fills gaps greedy filling
    leaves); when no combination can, for example groups of 3 with a batch of 64, it
@@ -79,11 +85,14 @@ def _exact_fill(sizes: Sequence[int], capacity: int) -> list[int] | None:
 
 
 def _weighted_fill(rest: list[QueuedGroup], room: int, weights: dict[int | None, float],
-                   credit: dict[int | None, float], batch_size: int) -> list[QueuedGroup]:
+                   credit: dict[int | None, float], batch_size: int,
+                   waiting: dict[int | None, int], held: set[int | None]
+                   ) -> list[QueuedGroup] | None:
     """Rule 3 with weights: groups of ``rest`` (oldest first) for ``room`` sequences,
-    by deficit round robin over the envs; ``credit`` is updated in place. An env missing
-    from ``weights`` (or a group without env) weighs 1."""
-    by_env: dict[int | None, list[QueuedGroup]] = {}
+    by deficit round robin over the envs, or ``None`` to wait for an env of ``waiting``
+    (env id -> its group size) that the weights owe the next group (added to ``held``);
+    ``credit`` is updated in place. An env missing from ``weights`` (or a group without env) weighs 1."""
+    by_env: dict[int | None, list[QueuedGroup]] = {env: [] for env in waiting}
     for g in rest:
         by_env.setdefault(g.env_id, []).append(g)
     weight = {env: max(0.0, weights.get(env, 1.0)) for env in by_env}
@@ -94,7 +103,14 @@ def _weighted_fill(rest: list[QueuedGroup], room: int, weights: dict[int | None,
     while room > 0:
         fitting = {env: next((g for g in groups if g.n_sequences <= room), None)
                    for env, groups in by_env.items()}
+        owed = [env for env, groups in by_env.items()
+                if not groups and weight[env] > 0 and waiting.get(env, room + 1) <= room]
         candidates = [(env, g) for env, g in fitting.items() if g is not None]
+        top = max(owed, key=lambda e: credit[e], default=None)
+        if top is not None and (not candidates or credit[top]
+                                > max(credit[env] for env, _ in candidates)):
+            held.add(top)
+            return None  # the env the weights owe has not delivered yet: wait for it
         if not candidates:
             break
         env, g = max(candidates, key=lambda c: (credit[c[0]], -c[1].seq))
@@ -114,14 +130,18 @@ def select_batch(
     search_window: int = 512,
     weights: dict[int | None, float] | None = None,
     credit: dict[int | None, float] | None = None,
+    waiting: dict[int | None, int] | None = None,
+    held: set[int | None] | None = None,
 ) -> list[QueuedGroup] | None:
     """The groups of the next batch (oldest first), or ``None`` to wait for more data.
 
     ``queue`` is in arrival order and holds only groups of at most ``batch_size``
     sequences. ``search_window`` bounds how many of the oldest groups the exact-fill
     search looks at. ``weights`` (env id -> weight) mix the batch by weight (rule 3);
-    ``credit`` is the envs' carried credit, updated in place (give the same dict to every
-    call).
+    ``credit`` is the envs' carried credit, updated in place when a batch is made (give
+    the same dict to every call); ``waiting`` (env id -> group size): envs the batch waits
+    for when the weights owe them the next group and they have nothing queued; the one
+    waited for is added to ``held`` (when given).
     """
     groups = list(queue)
     total = sum(g.n_sequences for g in groups)
@@ -146,8 +166,13 @@ def select_batch(
     chosen_ids = {g.seq for g in chosen}
     rest = [g for g in groups if g.seq not in chosen_ids]
     if weights is not None:
-        filled = _weighted_fill(rest, batch_size - taken, weights,
-                                credit if credit is not None else {}, batch_size)
+        earned = dict(credit or {})
+        filled = _weighted_fill(rest, batch_size - taken, weights, earned, batch_size,
+                                waiting or {}, held if held is not None else set())
+        if filled is None:
+            return None
+        if credit is not None:
+            credit.update(earned)
         chosen += filled
         taken += sum(g.n_sequences for g in filled)
     chosen_ids = {g.seq for g in chosen}

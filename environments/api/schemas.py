@@ -125,6 +125,19 @@ class APIConfig(BaseModel):
     shorter timeout applies it to the leases it resumes too (from the restart)."""
     max_staleness: int | None = Field(default=None, ge=0)
     """Drop groups generated more than this many policy versions ago (None: never)."""
+    mix_wait_s: float = Field(default=60.0, ge=0)
+    """Batches follow the envs' weights: when the weights owe the next group to an env
+    that has none queued, the batch waits for it, at most this long (then the other envs
+    fill it and the owed env keeps its credit, up to a batch). Only envs heard from (a
+    push, a ``/status-env`` poll, their registration) within this long are waited for, so
+    a dead env holds up one batch at most. 0: never wait (each batch mixes what is
+    queued)."""
+    status_env_own_queue: bool = False
+    """``/status-env`` answers ``queue_size`` with the env's own queued groups (its
+    ``self_queue_size``), not the whole queue's. atroposlib envs stop generating while
+    ``queue_size`` holds ``max_batches_offpolicy`` batches: with this they pace on their
+    own groups, as lachesis envs do (``max_queued_groups``), so another env's queued batch
+    does not stop an env whose groups the weights owe. ``lachesis run`` sets it."""
 
     @classmethod
     def load(cls, path: str | Path | None, **overrides) -> APIConfig:

@@ -92,6 +92,8 @@ class EnvRecord:
     min_batch_allocation: float | None
     connected: bool = True
     registered_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    """When the API last heard from it (registration, a push, a ``/status-env`` poll)."""
 
 
 @dataclass
@@ -115,8 +117,16 @@ class RolloutAPI:
         self._db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queue-db")
         loaded = self.db.load()
         self.queue: dict[int, QueuedGroup] = {g.seq: g for g in loaded.queue}
-        self.mix_credit: dict[int | None, float] = {}
-        """Each env's carried credit in the weighted mix of batches (batching rule 3)."""
+        self.mix_credit: dict[int | None, float] = {
+            env: credit for env, credit in loaded.kv.get("mix_credit", [])}
+        """Each env's carried credit in the weighted mix of batches (batching rule 3),
+        saved with every batch served, so a restarted API keeps the mix."""
+        self._mix_held_since: float | None = None
+        """Since when a batch that the queue could make waits for an owed env."""
+        self._mix_waits_for: dict[int, str] = {}
+        self._mix_gave_up: set[int] = set()
+        """Envs a batch waited ``mix_wait_s`` for in vain: not waited for again until they
+        deliver a group (an env whose groups all fail costs one wait, not one a batch)."""
         latest_expiry = time.time() + config.lease_timeout_s  # this run's timeout applies
         self.leases: dict[str, Lease] = {
             row.lease_id: Lease(row.lease_id, row.trainer, min(row.expires_at, latest_expiry),
@@ -217,6 +227,8 @@ class RolloutAPI:
             if seq is None:
                 results.append({"group_id": group.group_id, "duplicate": True})
                 continue
+            self.seen(group.env_id)
+            self._mix_gave_up.discard(group.env_id)
             if reason is None:
                 self.queue[seq] = QueuedGroup(seq, group.group_id, group.env_id,
                                               group.n_sequences, group.policy_version)
@@ -264,7 +276,9 @@ class RolloutAPI:
     async def return_lease(self, lease: Lease, counts: dict[str, int]) -> None:
         if self.leases.pop(lease.lease_id, None) is None:
             return
-        await self._write(self.db.finish_lease, lease.lease_id, False, counts=counts)
+        self._refund(lease.groups)
+        await self._write(self.db.finish_lease, lease.lease_id, False, counts=counts,
+                          kv=self._credit_kv())
         self._requeue(lease.groups)
 
     async def _drop_unservable(self) -> None:
@@ -289,14 +303,49 @@ class RolloutAPI:
         await self._drop_unservable()
         min_shares = {e.env_id: e.min_batch_allocation for e in self.envs.values()
                       if e.connected and e.min_batch_allocation}
-        fitting = (g for g in self.queue.values() if g.n_sequences <= batch_size)
+        fitting = [g for g in self.queue.values() if g.n_sequences <= batch_size]
         weights = {e.env_id: e.weight for e in self.envs.values()}
+        now, wait_s = time.time(), self.config.mix_wait_s
+        if self._mix_held_since is not None and now - self._mix_held_since >= wait_s:
+            # waited long enough: the others fill the batch
+            self._mix_gave_up.update(self._mix_waits_for)
+            self.counters["mix_waits_timed_out"] += 1
+            self._unsaved_counts["mix_waits_timed_out"] += 1
+            log.warning("a batch waited %g s (mix_wait_s) for %s, which the weights owe the "
+                        "next group; filled from the other envs", wait_s,
+                        ", ".join(self._mix_waits_for.values()))
+            self._mix_held_since, self._mix_waits_for = None, {}
+        waiting = {e.env_id: e.group_size for e in self.envs.values()
+                   if e.connected and e.weight > 0 and now - e.last_seen < wait_s
+                   and e.env_id not in self._mix_gave_up}
+        held: set[int | None] = set()
         chosen = select_batch(fitting, batch_size, min_shares, weights=weights,
-                              credit=self.mix_credit)
+                              credit=self.mix_credit, waiting=waiting, held=held)
+        if held:  # the queue could make a batch: held for the env the weights owe
+            self._mix_held_since = self._mix_held_since or now
+            self._mix_waits_for = {e: self.envs[e].real_name for e in held}
+            return None
         if chosen:
+            self._mix_held_since, self._mix_waits_for = None, {}
             for g in chosen:
                 del self.queue[g.seq]
         return chosen
+
+    def seen(self, env_id: int | None) -> None:
+        """The env is alive: a batch may wait for its groups (``mix_wait_s``)."""
+        env = self.envs.get(env_id) if env_id is not None else None
+        if env is not None:
+            env.last_seen = time.time()
+
+    def _credit_kv(self) -> dict[str, Any]:
+        return {"mix_credit": [[env, round(c, 6)] for env, c in self.mix_credit.items()]}
+
+    def _refund(self, groups: list[QueuedGroup]) -> None:
+        """Groups going back to the queue were paid for in the mix: their envs get the
+        credit back (they are paid for again when a batch takes them)."""
+        for g in groups:
+            if g.env_id in self.mix_credit:
+                self.mix_credit[g.env_id] += g.n_sequences
 
     def _requeue(self, groups: list[QueuedGroup]) -> None:
         for g in groups:
@@ -315,7 +364,7 @@ class RolloutAPI:
             return None
         try:
             bodies = await self._write(self.db.take, [g.seq for g in chosen],
-                                       kv={"step": self.step + 1},
+                                       kv={"step": self.step + 1, **self._credit_kv()},
                                        counts=self._served_counts(chosen))
         except BaseException:
             self._requeue(chosen)
@@ -333,7 +382,7 @@ class RolloutAPI:
         row = LeaseRow(lease.lease_id, trainer, time.time(), lease.expires_at, lease.step,
                        [g.seq for g in chosen])
         try:
-            bodies = await self._write(self.db.lease, row,
+            bodies = await self._write(self.db.lease, row, kv=self._credit_kv(),
                                        counts={"leases": 1, **self._served_counts(chosen)})
         except BaseException:
             self._requeue(chosen)
@@ -420,6 +469,8 @@ class RolloutAPI:
         self.leases = {}
         back = [by_seq[s] for s in result.released if s in by_seq]
         requeued = await self._in_db_thread(self.db.queued_groups, result.requeued)
+        self._refund(back + requeued)
+        await self._write(self.db.put, kv=self._credit_kv())
         self._requeue(back + requeued)
         for seq, effective in result.reflected.items():
             if seq in self.queue:
@@ -442,6 +493,7 @@ class RolloutAPI:
         """Forget everything: queue, leases, envs, trainer, step, version, counters."""
         await self._in_db_thread(self.db.reset)
         self.queue, self.leases, self.envs, self.mix_credit = {}, {}, {}, {}
+        self._mix_held_since, self._mix_waits_for, self._mix_gave_up = None, {}, set()
         self.trainer, self.step, self.policy_version = None, 0, None
         self.policy_model = self.resumed_from = None
         self.counters, self._unsaved_counts = Counter(), Counter()
@@ -477,6 +529,10 @@ class RolloutAPI:
             return (f"{queued} sequences queued, but only "
                     f"{sum(g.n_sequences for g in fitting)} in groups that fit in "
                     f"batch_size {batch_size}")
+        if self._mix_waits_for:
+            return (f"{queued} sequences queued, but the envs' weights owe the next group to "
+                    f"{', '.join(self._mix_waits_for.values())}: waiting for it (at most mix_wait_s "
+                    f"{self.config.mix_wait_s:g} s)")
         return (f"{queued} sequences queued, but an env's min_batch_allocation is not met "
                 "yet: waiting for its groups")
 
@@ -484,6 +540,7 @@ class RolloutAPI:
         env = self.envs.get(env_id)
         if env is None:
             raise APIError(404, f"unknown env_id {env_id}", field="env_id")
+        self.seen(env_id)
         connected = [e for e in self.envs.values() if e.connected]
         total = sum(e.max_token_length * max(0.0, e.weight) for e in connected)
         weight = env.max_token_length * env.weight / total if total else 1.0
@@ -492,7 +549,8 @@ class RolloutAPI:
         queued = sum(g.n_sequences for g in self.queue.values())
         return {
             "current_step": self.step,
-            "queue_size": queued // env.group_size,
+            "queue_size": (own if self.config.status_env_own_queue else queued)
+            // env.group_size,
             "self_queue_size": own // env.group_size,
             "unallocated_fraction": 1.0 - min(min_total, 1.0),
             "max_group_size": max((g.n_sequences for g in self.queue.values()), default=1),

@@ -33,18 +33,20 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
     workers = max(1, math.ceil(env.config.rollout_slots() / env.config.group_size)) + 1
     if n_groups is not None:
         workers = min(workers, n_groups)
-    reserved = delivered = in_progress = 0
+    reserved = delivered = in_progress = delivering = 0
     held_since: float | None = None
     done = asyncio.Event()
 
     async def worker() -> None:
-        nonlocal reserved, delivered, in_progress, held_since
+        nonlocal reserved, delivered, in_progress, delivering, held_since
         while not done.is_set():
             if n_groups is not None and reserved + in_progress >= n_groups:
                 await asyncio.sleep(0.05)  # enough groups under way; one may still fail
                 continue
             limit = env.config.max_queued_groups
-            if limit is not None and (env.queued_groups or 0) + in_progress >= limit:
+            # a group being delivered holds its place: the queue count has not got it yet
+            if limit is not None and \
+                    (env.queued_groups or 0) + in_progress + delivering >= limit:
                 held_since = held_since or time.monotonic()
                 await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
                 continue
@@ -69,7 +71,11 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
             if n_groups is not None and reserved >= n_groups:
                 return  # enough groups are already being delivered
             reserved += 1
-            await _deliver(env, delivery, group)
+            delivering += 1
+            try:
+                await _deliver(env, delivery, group)
+            finally:
+                delivering -= 1
             _settle(env, index)
             delivered += 1
             if n_groups is not None and delivered >= n_groups:
@@ -254,11 +260,11 @@ async def poll_status(env: Any, client: RolloutAPIClient) -> None:
     if status.get("policy_model"):
         env.use_policy_model(status["policy_model"])
     env_id = getattr(env, "env_id", None)
-    if env.config.max_queued_groups is not None and env_id is not None:
-        own = await client.env_status(env_id)  # this env's own groups in the queue
-        queued = own.get("self_queue_size")
-    else:
-        queued = status.get("queue_size")
+    queued = status.get("queue_size")
+    if env_id is not None:  # also tells the API the env is alive (mix_wait_s)
+        own = await client.env_status(env_id)
+        if env.config.max_queued_groups is not None:  # paced on its own groups
+            queued = own.get("self_queue_size")
     if queued is not None:
         env.queued_groups = queued + env.stats.groups_sent - sent_before
 

@@ -221,6 +221,8 @@ def build_layout(config: RunConfig, model: str | None = None,
     api = Process("api", lachesis_command("api", "--config", str(api_yaml)),
                   logs / "api.log", port=api_port, url=api_url, guarded=True,
                   settings=(api_yaml, {
+                      # atroposlib envs pace on their own groups, as the others do
+                      "status_env_own_queue": True,
                       **config.api, "host": api_host, "port": api_port,
                       "db": run_dir / "api" / "queue.sqlite"}))
 
