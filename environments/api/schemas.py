@@ -129,9 +129,9 @@ class APIConfig(BaseModel):
     """Batches follow the envs' weights: when the weights owe the next group to an env
     that has none queued, the batch waits for it, at most this long (then the other envs
     fill it and the owed env keeps its credit, up to a batch). Only envs heard from (a
-    push, a ``/status-env`` poll, their registration) within this long are waited for, so
-    a dead env holds up one batch at most. 0: never wait (each batch mixes what is
-    queued)."""
+    push, a ``/status-env`` poll, their registration) within the last 10 s are waited
+    for, so a dead env holds up a batch 10 s at most. 0: never wait (each batch mixes what
+    is queued)."""
     status_env_own_queue: bool = False
     """``/status-env`` answers ``queue_size`` with the env's own queued groups (its
     ``self_queue_size``), not the whole queue's. atroposlib envs stop generating while

@@ -66,6 +66,10 @@ from environments.trajectory import field_path
 log = logging.getLogger("lachesis.api")
 T = TypeVar("T")
 MIN_ENV_WEIGHT = 0.01  # as Atropos: no env is starved completely
+ENV_SILENT_S = 10.0
+"""An env not heard from for this long (no push, no ``/status-env`` poll; env servers
+poll every 0.5 s, atroposlib envs more often) is not waited for by the mix: a dead or
+restarted env server holds up a batch this long at most."""
 
 
 class APIError(Exception):
@@ -316,7 +320,8 @@ class RolloutAPI:
                         ", ".join(self._mix_waits_for.values()))
             self._mix_held_since, self._mix_waits_for = None, {}
         waiting = {e.env_id: e.group_size for e in self.envs.values()
-                   if e.connected and e.weight > 0 and now - e.last_seen < wait_s
+                   if e.connected and e.weight > 0
+                   and now - e.last_seen < min(wait_s, ENV_SILENT_S)
                    and e.env_id not in self._mix_gave_up}
         held: set[int | None] = set()
         chosen = select_batch(fitting, batch_size, min_shares, weights=weights,
