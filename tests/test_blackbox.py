@@ -34,6 +34,18 @@ client.chat.completions.create(model="tiny", messages=messages)
 """
 
 
+RETRYING_AGENT = """
+import openai
+client = openai.OpenAI(max_retries=0)
+messages = [{"role": "user", "content": "Say hi."}]
+client.chat.completions.create(model="tiny", messages=messages)  # as if it timed out ...
+reply = client.chat.completions.create(model="tiny", messages=messages).choices[0].message
+messages += [{"role": "assistant", "content": reply.content or ""},  # ... and was retried
+             {"role": "user", "content": "Once more."}]
+client.chat.completions.create(model="tiny", messages=messages)
+"""
+
+
 class NoteEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
     """The agent's turns scored by their length (varies between samples)."""
 
@@ -55,6 +67,7 @@ class NoteEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
 
     async def prepare_sandbox(self, item, sandbox):
         await sandbox.write_file("agent_edits.py", EDITING_AGENT)
+        await sandbox.write_file("agent_retries.py", RETRYING_AGENT)
 
     def compute_turn_rewards(self, item, rollout):
         return [len(t.text) / 100 for t in rollout.turns]
@@ -99,9 +112,12 @@ def test_agent_runs_in_the_sandbox_and_its_trajectories_pass_the_trainer_alignme
     edited = asyncio.run(collect(make_env(vllm_server, tmp_path,
                                           command=["python3", "agent_edits.py"]), 1))
     assert edited["agent"]["new_segments"] == 2, edited
+    retried = asyncio.run(collect(make_env(vllm_server, tmp_path,
+                                           command=["python3", "agent_retries.py"]), 1))
+    assert retried["agent"]["abandoned_replies"] == 2, retried
 
     groups = list(read_groups(out))
-    assert len(groups) == 3
+    assert len(groups) == 4
     for group in groups[:2]:
         for t in group.trajectories:
             assert t.messages[0].content == SYSTEM  # the agent's own prompt, as it sent it
@@ -113,9 +129,13 @@ def test_agent_runs_in_the_sandbox_and_its_trajectories_pass_the_trainer_alignme
         [start] = t.segment_starts
         assert t.masks[start] == MASKED and len(t.turn_spans) == 2
         assert "messages[0]" in t.metadata["segments"][1]["reason"]
+    for t in groups[3].trajectories:  # the reply it sent again for: not trained, nor scored
+        assert len(t.turn_spans) == len(t.scores) == 2 and t.segment_starts is None
+        [kept] = t.metadata["abandoned_replies"]
+        assert kept["turn"] == 0 and "sent the request again" in kept["reason"]
 
     # the trainer recomputes every sampled token's logprob, each segment as its own context
-    check = train_check(vllm_server.model_dir, out, tmp_path / "run", batch_size=6)
+    check = train_check(vllm_server.model_dir, out, tmp_path / "run", batch_size=8)
     assert check.returncode == 0, check.stderr[-2000:]
     assert json.loads(check.stdout)["alignment_mean_abs_diff"] < 1e-3
 
