@@ -1,6 +1,7 @@
 """The rollout API over real HTTP: Atropos protocol flows, bad input, auth, leases."""
 
 import asyncio
+import contextlib
 import gzip
 import json
 
@@ -471,3 +472,40 @@ def test_a_batch_waits_up_to_mix_wait_s_for_the_env_its_weights_owe_and_a_restar
             return dict(api.mix_credit)
 
     assert run(restarted()) == credit == {0: 1.0, 1: -1.0}
+
+
+def test_a_group_being_delivered_holds_its_place_under_max_queued_groups(tmp_path):
+    """Pacing: while a collected group's push is on its way to the API, the queue count
+    does not have it yet; if its slot were free meanwhile, another worker would collect
+    and push one more group than ``max_queued_groups`` allows (3 queued against 2)."""
+    from environments import BaseEnv, EnvConfig
+    from environments.framework.delivery import APIDelivery
+    from environments.framework.runner import follow_status, poll_status, run_groups
+
+    class Instant(BaseEnv):  # groups are ready at once; only their delivery takes time
+        async def get_next_item(self):
+            return {"id": "x"}
+
+        async def collect_group(self, item):
+            return make_group(env_id=self.env_id)
+
+    class SlowPush(RolloutAPIClient):
+        async def push_group(self, group):
+            await asyncio.sleep(0.3)
+            return await super().push_group(group)
+
+    env = Instant(EnvConfig(max_queued_groups=2, group_size=2, concurrency=8))
+
+    async def scenario():
+        async with running_api() as (url, _), SlowPush(url) as client:
+            env.env_id = (await client.register_env("e", group_size=2,
+                                                    max_token_length=64))["env_id"]
+            await poll_status(env, client)
+            poller = asyncio.create_task(follow_status(env, client, 0.05))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(run_groups(env, APIDelivery(client, tmp_path / "s"),
+                                                  None), timeout=2.0)
+            poller.cancel()
+            return (await client.env_status(env.env_id))["self_queue_size"]
+
+    assert run(scenario()) == 2 and env.stats.groups_sent == 2
