@@ -63,8 +63,9 @@ async def framework(model: str, url: str, groups: int, concurrency: int | None,
     settings, _ = quickstart()
     settings = {k: v for k, v in settings.items() if not k.startswith("eval")}
     # max_queued_groups stays: offline it bounds the groups under way, as in the run
-    if concurrency is not None:
+    if concurrency is not None:  # and as many groups under way as that takes
         settings["concurrency"] = concurrency
+        settings["max_queued_groups"] = -(-concurrency // settings["group_size"])
     env = ArithmeticToolEnv(ArithmeticToolEnv.config_class.model_validate({
         **settings, "tokenizer": model, "inference_servers": [url],
         "keep_equal_score_groups": True, "seed": 1}))
@@ -138,7 +139,8 @@ def main() -> None:
                         help="the policy (the quickstart's warm start after `make demo`)")
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=None,
-                        help="rollouts in flight (default: the env's own default)")
+                        help="rollouts in flight, with as many groups under way as that "
+                        "takes (default: the quickstart's, a batch: 64)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--ceiling", help=argparse.SUPPRESS)  # internal: GROUPS.jsonl
     args = parser.parse_args()
