@@ -25,6 +25,35 @@ async def call(session, method, url, payload=None, *, data=None, headers=None):
         return r.status, await r.json(content_type=None)
 
 
+def test_env_servers_registering_at_once_get_distinct_ids_that_survive_a_restart(tmp_path):
+    """``lachesis run`` starts its env servers together: registrations that arrive at the
+    same moment get one env id each (two that shared id 0 had their groups mixed as one
+    env's: a 3:1 weighting came out 2:0, 0:2, ...), also after the API restarts."""
+    db = tmp_path / "queue.sqlite"
+    names = ["heavy", "light", "heavy", "other", "light"]
+
+    async def register_all(url):
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(
+                call(s, "POST", url + "/register-env", {**ENV, "desired_name": n})
+                for n in names))
+
+    async def scenario():
+        async with running_api(db=db, in_memory=False) as (url, api):
+            answers = await register_all(url)
+        async with running_api(db=db, in_memory=False) as (url, api):
+            kept = {i: e.real_name for i, e in api.envs.items()}
+        return answers, kept
+
+    answers, kept = run(scenario())
+    assert all(status == 200 for status, _ in answers)
+    ids = [out["env_id"] for _, out in answers]
+    assert sorted(ids) == list(range(len(names)))
+    real = {out["env_id"]: out["wandb_name"] for _, out in answers}
+    assert sorted(real.values()) == ["heavy_0", "heavy_1", "light_0", "light_1", "other_0"]
+    assert kept == real
+
+
 def test_atropos_flow_env_registers_before_trainer():
     async def scenario():
         async with running_api() as (url, api), aiohttp.ClientSession() as s:

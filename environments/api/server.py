@@ -751,8 +751,12 @@ async def handle_register_env(request: web.Request) -> web.Response:
                     real_name=f"{req.desired_name}_{same_name}", weight=req.weight,
                     group_size=req.group_size, max_token_length=req.max_token_length,
                     min_batch_allocation=req.min_batch_allocation)
-    await api._write(api.db.put_env, env_id, asdict(env), counts={"env_registrations": 1})
-    api.envs[env_id] = env
+    api.envs[env_id] = env  # taken before the write: envs registering at once get distinct ids
+    try:
+        await api._write(api.db.put_env, env_id, asdict(env), counts={"env_registrations": 1})
+    except BaseException:
+        del api.envs[env_id]
+        raise
     trainer = api.trainer
     return json_response({
         "status": "success", "env_id": env_id, "wandb_name": env.real_name,
