@@ -49,11 +49,9 @@ aiohttp's traceback. A 5xx means a vLLM failure (502) or a bug of the proxy (500
 with its traceback); either fails the rollout.
 
 Abandoned replies: an agent whose client gave up on a request (a timeout) and sent it
-again never saw the first reply, which the proxy generated and recorded all the same. When
-the reply is ready after its request's connection has closed, a request whose history is
-the recorded one without that reply (the same messages and tools as the request that got
-it) is that retry (an agent that got its reply and asks the same again starts a new
-segment, as before): the unseen reply is taken out of
+again never saw the first reply, which the proxy generated and recorded all the same. A
+request whose history is the recorded one without the reply just sent (the same messages
+and tools as the request that got it) is that retry: the unseen reply is taken out of
 the trajectory (its tokens are not trained, and the retry's context is what it was for
 the first request, so the tokens stay exactly what vLLM saw), kept in
 ``extra["abandoned_replies"]`` (its text, token ids, finish reason, turn, and why), and
@@ -338,8 +336,7 @@ class InterceptedRollout:
     """The sampling seeds of the rollout that opened it (``seeded_sampling``): the
     agent's requests draw from them in the order they arrive."""
     unseen: tuple[bool, bool] | None = None
-    """Set while the last thing recorded is a reply that was ready only after its
-    request's connection had closed, and that no later request has built on: the
+    """Set while the last thing recorded is a reply no later request has built on: the
     segment's ``ended_with_eos`` and the rollout's ``truncated`` from before it (what
     :meth:`InterceptionProxy._take_back_abandoned` restores)."""
     abandoned: list[dict[str, Any]] = field(default_factory=list)
@@ -548,8 +545,6 @@ class InterceptionProxy:
                 log.exception("rollout %s: the proxy failed on a request", rollout.id)
                 return self._error(500, f"the proxy failed: {type(error).__name__}: {error}",
                                    "proxy_error", "api_error")
-            if request.transport is not None and not request.transport.is_closing():
-                rollout.unseen = None  # the agent is still there: the reply reaches it
         if body.stream:
             return await self._stream(request, reply, body)
         return web.json_response(reply)
