@@ -334,10 +334,13 @@ def test_the_agents_sampling_fields_are_ignored_and_its_max_tokens_only_shortens
             rollout = proxy.open_rollout()
             client = client_for(proxy, rollout)
             replies = []
-            for limits in ({"max_tokens": 5}, {"max_completion_tokens": 1000},
-                           {"max_tokens": 7, "max_completion_tokens": 3}):
+            for k, limits in enumerate(({"max_tokens": 5}, {"max_completion_tokens": 1000},
+                                        {"max_tokens": 7, "max_completion_tokens": 3})):
+                # a new question each time (the same one again would be a retry, whose
+                # earlier reply is set aside: see the abandoned-reply test)
+                messages = [START[0], {"role": "user", "content": f"What is 12 * {7 + k}?"}]
                 replies.append(await client.chat.completions.create(
-                    model="tiny", messages=START, temperature=0.0, top_p=0.01, seed=3,
+                    model="tiny", messages=messages, temperature=0.0, top_p=0.01, seed=3,
                     stop=["\n"], presence_penalty=1.5, **limits))
             state = await proxy.finish_rollout(rollout)
             await client.close()
@@ -347,7 +350,7 @@ def test_the_agents_sampling_fields_are_ignored_and_its_max_tokens_only_shortens
     # the env's sampling settings, whatever the agent asked for
     assert [a["sampling"] for a in asked] == [{"temperature": 1.0}] * 3
     # max_tokens shortens below the env's max_tokens_per_turn (24), never lengthens
-    assert [a["max_tokens"] for a in asked] == [5, 24, 3]
+    assert [a["max_tokens"] for a in asked] == [5, 24, 3] and len(state.turns) == 3
     for reply, limit, turn in zip(replies, (5, 24, 3), state.turns):
         assert reply.usage.completion_tokens == turn.span[1] - turn.span[0] <= limit
         if turn.finish_reason == "length":
