@@ -86,26 +86,23 @@ def run_config(model: str, name: str, steps: int, variant: dict[str, Any],
     return config
 
 
+LABELS = [  # (a part of the process's comm or command line, which, its label), first match
+    ("EngineCor", "comm", "vllm engine core"), ("Worker", "comm", "vllm worker"),
+    ("vllm.entrypoints", "cmd", "vllm API server"), ("lachesis.cli api", "cmd", "rollout API"),
+    ("lachesis.cli env serve", "cmd", "env server"), ("lachesis.cli train", "cmd", "trainer"),
+    ("torch.distributed.run", "cmd", "trainer"),
+    ("lachesis.cli run", "cmd", "lachesis run (supervisor)")]
+
+
 def _label(pid: int) -> str | None:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return None
-    if "EngineCor" in comm:
-        return "vllm engine core"
-    if "Worker" in comm or "VLLMWorker" in comm:
-        return "vllm worker"
-    if "vllm.entrypoints" in cmd:
-        return "vllm API server"
-    if "lachesis.cli api" in cmd:
-        return "rollout API"
-    if "lachesis.cli env serve" in cmd:
-        return "env server"
-    if "lachesis.cli train" in cmd or "torch.distributed.run" in cmd:
-        return "trainer"
-    if "lachesis.cli run" in cmd:
-        return "lachesis run (supervisor)"
+    for part, where, label in LABELS:
+        if part in (comm if where == "comm" else cmd):
+            return label
     return f"other ({comm})"
 
 

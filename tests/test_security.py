@@ -10,7 +10,6 @@ import importlib
 import json
 import os
 import signal
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -118,7 +117,7 @@ def test_an_atropos_envs_own_sessions_carry_the_token_to_the_run_and_nowhere_els
 
     monkeypatch.setattr(aiohttp.ClientSession, "_request", aiohttp.ClientSession._request)
     for name in ("httpx", "httpx2"):
-        if (module := sys.modules.get(name) or _optional(name)) is not None:
+        if (module := _optional(name)) is not None:
             monkeypatch.setattr(module.AsyncClient, "send", module.AsyncClient.send)
     seen, bridge_seen = [], []
 
