@@ -1,8 +1,10 @@
-"""In-flight weight updates (``sync_pause: keep``) on the real vLLM CPU server: a long
-generation that runs across a weight sync is not waited for, it goes on under the new
-weights, and every token keeps the logprob of the weights that sampled it, as the
-trainer recomputes it from each checkpoint; the trajectory says where the new weights
-took over, and ``lachesis train --check`` passes on it."""
+"""In-flight weight updates (``sync_pause: keep`` and ``abort``) on the real vLLM CPU
+server: a long generation that runs across a weight sync is not waited for, it goes on
+under the new weights (``keep``: frozen in the scheduler and resumed; ``abort``: ended by
+the server and continued by the env's client), and every token keeps the logprob of the
+weights that sampled it, as the trainer recomputes it from each checkpoint; the
+trajectory says where the new weights took over, and ``lachesis train --check`` passes
+on it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aiohttp
+import pytest
 import torch
 from test_trainer import LetterEEnv, hf_logprobs
 from transformers import AutoModelForCausalLM
@@ -40,15 +43,18 @@ def perturbed(model_dir, scale=0.05):
     return model
 
 
-def test_a_generation_spanning_a_keep_sync_continues_on_the_new_weights(vllm_server,
-                                                                          tmp_path):
+@pytest.mark.parametrize("pause", ["keep", "abort"])
+def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, tmp_path,
+                                                                   pause):
     """The env's rollout (one long turn) is in flight when the trainer syncs version 1
-    with ``keep``: the sync returns long before the turn ends; the turn's first tokens
-    are version 0's and carry model A's logprobs, the rest version 1's and carry model
-    B's (recomputed from the whole prefix: no key/value of A's survives the update)."""
+    with ``pause``: the sync returns long before the turn ends; the turn is kept whole
+    (``abort``: the client continued the aborted request, once per turn; ``keep``:
+    nothing to continue); its first tokens are version 0's and carry model A's
+    logprobs, the rest version 1's and carry model B's (recomputed from the whole
+    prefix: no key/value of A's survives the update)."""
     model_a = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
     model_b = perturbed(vllm_server.model_dir)
-    sync = VLLMWeightSync([vllm_server.url], tmp_path / "weights", pause="keep")
+    sync = VLLMWeightSync([vllm_server.url], tmp_path / "weights", pause=pause)
     path_b = sync.save(model_b, None, 1)
     out = tmp_path / "groups.jsonl"
     config = EnvConfig(tokenizer=str(vllm_server.model_dir),
@@ -90,16 +96,17 @@ def test_a_generation_spanning_a_keep_sync_continues_on_the_new_weights(vllm_ser
             # (samples before the turns start and while the sync swaps the weights count
             # as idle: 0.75 and above measured)
             assert generating > 0.5 and idle == 0.0, (generating, idle)
-            return seconds, synced_at - started, after
+            return seconds, synced_at - started, after, env._pool.stats.continued
         finally:
             await env.close()
 
     try:
-        seconds, _, generated_after = asyncio.run(scenario())
+        seconds, _, generated_after, continued = asyncio.run(scenario())
     finally:
         asyncio.run(reload_original(vllm_server))
     # the sync did not wait for the generations: they went on for a while after it
     assert generated_after > 3 * seconds, (seconds, generated_after)
+    assert continued == {"keep": 0, "abort": 2}[pause]  # each aborted turn once
 
     group = next(iter(read_groups(out)))
     for t in group.trajectories:
