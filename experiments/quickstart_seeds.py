@@ -3,11 +3,13 @@
     python experiments/quickstart_seeds.py                  # seeds 1 2 3
     python experiments/quickstart_seeds.py --seeds 4 5
     python experiments/quickstart_seeds.py --report-only    # table of finished runs
+    python experiments/quickstart_seeds.py --config my.yaml --runs-dir runs/my-seeds
 
 Each seed is the whole quickstart as ``lachesis run`` does it, from scratch: a new tiny
 model (weights and learned tokenizer), a new warm start, new training items, new
 held-out evaluation items and a new trainer seed; nothing else differs from
-``configs/quickstart.yaml``. Runs go to ``runs/quickstart-seeds/seed{N}``. Reported: answer
+``configs/quickstart.yaml`` (or the ``--config`` given: to compare settings over the
+same seeds). Runs go to ``runs/quickstart-seeds/seed{N}``. Reported: answer
 accuracy and tool-call success before and after RL (256 held-out items, sampled at the
 training temperature, 95 % Wilson intervals), per seed and as mean ± std over seeds.
 """
@@ -33,8 +35,11 @@ ENV = "arithmetic_tool"
 METRICS = [("correct", "answer accuracy"), ("tool_success", "tool-call success")]
 
 
-def seed_config(seed: int, runs_dir: Path) -> dict[str, Any]:
-    config = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+
+def seed_config(seed: int, runs_dir: Path, base: Path = QUICKSTART) -> dict[str, Any]:
+    config = yaml.safe_load(base.read_text())
     config.update(name=f"seed{seed}", runs_dir=str(runs_dir),
                   model=str(runs_dir / f"model-seed{seed}"))
     config["build_tiny_model"] = {**config["build_tiny_model"], "seed": seed}
@@ -45,12 +50,12 @@ def seed_config(seed: int, runs_dir: Path) -> dict[str, Any]:
     return config
 
 
-def run_seed(seed: int, runs_dir: Path) -> dict[str, Any]:
+def run_seed(seed: int, runs_dir: Path, base: Path = QUICKSTART) -> dict[str, Any]:
     run_dir = runs_dir / f"seed{seed}"
     done = run_dir / "seed_summary.json"
     if done.exists():
         return json.loads(done.read_text())
-    summary = run_quietly(RunConfig.model_validate(seed_config(seed, runs_dir)))
+    summary = run_quietly(RunConfig.model_validate(seed_config(seed, runs_dir, base)))
     done.write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -60,12 +65,13 @@ def report(results: dict[int, dict[str, Any]]) -> str:
         ci = d.get(f"{key}_ci95")
         return f"{d[key]:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{d[key]:.3f}"
 
-    lines = ["| seed | " + " | ".join(f"{label} before | after" for _, label in METRICS)
-             + " | minutes |", "|---:|" + "---:|---:|" * len(METRICS) + "---:|"]
+    lines = ["| seed | " + " | ".join(f"{label} before | after | change"
+                                      for _, label in METRICS)
+             + " | minutes |", "|---:|" + "---:|---:|---:|" * len(METRICS) + "---:|"]
     for seed, s in sorted(results.items()):
         b, a = s["before"][ENV], s["after"][ENV]
-        lines.append(f"| {seed} | " + " | ".join(f"{cell(b, k)} | {cell(a, k)}"
-                                                  for k, _ in METRICS)
+        lines.append(f"| {seed} | " + " | ".join(f"{cell(b, k)} | {cell(a, k)} | "
+                                                  f"{a[k] - b[k]:+.3f}" for k, _ in METRICS)
                      + f" | {s.get('seconds', 0) / 60:.1f} |")
     lines.append("")
     for key, label in METRICS:
@@ -84,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "quickstart-seeds")
+    parser.add_argument("--config", type=Path, default=QUICKSTART,
+                        help="the quickstart config to run per seed (default: %(default)s)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
     results = {}
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[seed] = json.loads(done.read_text())
             continue
         print(f"seed {seed}: running the quickstart", flush=True)
-        results[seed] = run_seed(seed, args.runs_dir)
+        results[seed] = run_seed(seed, args.runs_dir, args.config)
     if not results:
         print("no finished runs", file=sys.stderr)
         return 1
