@@ -46,23 +46,30 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The suite without the tests marked slow (pytest.ini markers), which `test-all` adds, as
-# two pytest sessions at once: the `unit` tests (they start none of vLLM, docker, Chromium,
-# Ray: markers set in tests/conftest.py) beside the others, which run one at a time in one
-# session (they share its vLLM servers and the docker daemon) and leave a core idle for
-# much of it. Each session ends with its 15 slowest tests, the unit session's report after
-# the other's; `make test` fails if either fails (pytest's 5, no test selected, is no
-# failure). `make test-serial`: the same tests in one session. TESTS=paths narrows either.
+# three pytest sessions at once (markers set in tests/conftest.py): the `unit` tests (they
+# start none of vLLM, docker, Chromium, Ray), the `system` tests (each starts a whole system
+# of its own: a `lachesis run`, its own vLLM server, a Ray cluster), and the other heavy
+# tests, which run one at a time in one session because they share its vLLM servers, the
+# docker daemon and Chromium. Heavy tests wait on their servers much of the time, so the
+# three fill the two cores; the last one's progress shows as it runs, then each session's
+# report with its 15 slowest tests. `make test` fails if any fails (pytest's 5, no test
+# selected, is no failure). `make test-serial`: the same tests in one session. TESTS=paths
+# narrows either.
 TESTS ?=
 test: install
-	@unit_log=$$(mktemp); \
+	@unit_log=$$(mktemp); system_log=$$(mktemp); \
 	$(PY) -m pytest -q -m "unit and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
 	    > $$unit_log 2>&1 & unit=$$!; \
-	$(PY) -m pytest -q -m "not unit and not slow" --durations=15 $(TESTS); heavy=$$?; \
-	wait $$unit; unit_rc=$$?; \
+	$(PY) -m pytest -q -m "system and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
+	    > $$system_log 2>&1 & system=$$!; \
+	$(PY) -m pytest -q -m "not unit and not system and not slow" --durations=15 $(TESTS); \
+	heavy=$$?; \
+	wait $$system; system_rc=$$?; wait $$unit; unit_rc=$$?; \
+	echo "==== the system tests (-m system), run beside the above ===="; cat $$system_log; \
 	echo "==== the unit tests (-m unit), run beside the above ===="; cat $$unit_log; \
-	rm -f $$unit_log; \
-	echo "make test: heavy tests exit $$heavy, unit tests exit $$unit_rc"; \
-	case "$$heavy $$unit_rc" in [05]\ [05]) ;; *) exit 1 ;; esac
+	rm -f $$unit_log $$system_log; \
+	echo "make test: heavy tests exit $$heavy, system tests exit $$system_rc, unit tests exit $$unit_rc"; \
+	case "$$heavy $$system_rc $$unit_rc" in [05]\ [05]\ [05]) ;; *) exit 1 ;; esac
 
 test-serial: install
 	$(PY) -m pytest -q -m "not slow" --durations=15 $(TESTS)

@@ -146,7 +146,8 @@ def pytest_collection_modifyitems(config, items):
     """Mark the tests that start real heavy components, so ``pytest -m unit`` (or
     ``make test-fast``) runs the rest in about a minute: ``vllm`` (a vLLM CPU server),
     ``docker`` (the docker daemon and an image), ``chromium`` (headless Chromium), ``ray``
-    (a local Ray cluster). The
+    (a local Ray cluster), and ``system`` for the heavy tests that start a whole system of
+    their own (see below). The
     markers come from the fixtures and parameters a test uses, so a new test is marked
     without anyone remembering to."""
     import pytest as _pytest
@@ -168,3 +169,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(_pytest.mark, mark))
         if not heavy:
             item.add_marker(_pytest.mark.unit)
+        elif heavy <= {"vllm", "ray"} and not names & VLLM_FIXTURES and (
+                "ray" in heavy or "tiny_model_dir" in names):
+            # a whole system of its own (a `lachesis run`, its own vLLM server of the
+            # suite's model, a Ray cluster): shares none of the session's servers, docker
+            # or Chromium, so `make test` runs these in a session beside the others
+            item.add_marker(_pytest.mark.system)
