@@ -330,13 +330,24 @@ def fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
+    """``--model``, ``--steps`` and ``--skip``: the short RL runs of a benchmark."""
     parser.add_argument("--model", default="runs/quickstart/warm_start/final",
                         help="the policy to start RL from (the quickstart's warm start)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--skip", type=int, default=2,
                         help="warm-up steps left out of the timing")
+
+
+def check_model(model: str) -> None:
+    if not Path(model, "config.json").exists():
+        sys.exit(f"--model {model}: no HF model there (run `make demo` first, or "
+                 "point it at a warm start)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_arguments(parser, steps=12)
     parser.add_argument("--variants", default="before,base")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -346,9 +357,7 @@ def main() -> None:
                         "rollout API and vLLM's processes over the timed steps")
     parser.add_argument("--py-spy-seconds", type=int, default=20)
     args = parser.parse_args()
-    if not Path(args.model, "config.json").exists():
-        sys.exit(f"--model {args.model}: no HF model there (run `make demo` first, or "
-                 "point it at a warm start)")
+    check_model(args.model)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

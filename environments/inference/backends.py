@@ -84,15 +84,24 @@ class VLLMBackend:
         sampling = self.sampling if seed is None else {**self.sampling, "seed": seed}
         completion = await self.pool.complete(token_ids, max_tokens=max_tokens,
                                               sampling=sampling)
-        ids = completion.token_ids
-        # vLLM includes the stop token in token_ids. The chat template's end-of-turn token
-        # ends the turn as the template would; another stop id (e.g. <|endoftext|>) stays
-        # in the trajectory as sampled, and the end-of-turn token follows it as context.
-        stopped = bool(ids) and ids[-1] in self.stop_token_ids
-        ended_with_eos = stopped and ids[-1] == self.renderer.tokenizer.eos_token_id
-        text = self.renderer.decode(ids[:-1] if stopped else ids)
-        return GeneratedTurn(ids, completion.logprobs, text, completion.finish_reason,
-                             ended_with_eos, weight_versions=completion.weight_versions)
+        return sampled_turn(self.renderer, self.stop_token_ids, completion.token_ids,
+                            completion.logprobs, completion.finish_reason,
+                            completion.weight_versions)
+
+
+def sampled_turn(renderer: ChatRenderer, stop_token_ids: set[int], ids: list[int],
+                 logprobs: list[float] | None, finish_reason: str,
+                 weight_versions: list[tuple[str, int, int]] | None = None) -> GeneratedTurn:
+    """The assistant turn of sampled token ids ``ids``, stop token included as the engine
+    returns it (vLLM, or an in-process ``generate`` cut after its first stop token). The
+    chat template's end-of-turn token ends the turn as the template would; another stop
+    id (e.g. <|endoftext|>) stays in the trajectory as sampled, and the end-of-turn token
+    follows it as context."""
+    stopped = bool(ids) and ids[-1] in stop_token_ids
+    ended_with_eos = stopped and ids[-1] == renderer.tokenizer.eos_token_id
+    text = renderer.decode(ids[:-1] if stopped else ids)
+    return GeneratedTurn(ids, logprobs, text, finish_reason, ended_with_eos,
+                         weight_versions=weight_versions)
 
 
 class OpenAIBackend:

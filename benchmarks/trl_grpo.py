@@ -1,0 +1,440 @@
+"""The quickstart's RL through TRL's ``GRPOTrainer`` (in-process generation) against
+``lachesis run``, side by side in one invocation.
+
+Both start from the same policy (``--model``: the quickstart's warm start,
+``runs/quickstart/warm_start/final`` after ``make demo``) and run ``--steps`` RL steps of
+the quickstart's batch (8 groups of 8), learning rate and warm-up:
+
+1. **Lachesis.** ``lachesis run`` of configs/quickstart.yaml's RL phase from that policy
+   (the real processes: rollout API, vLLM CPU, env server, trainer), evaluated before
+   and after on the env's 256 held-out items. Step times are the trainer's
+   ``time/step``.
+2. **TRL** (the ``bench`` extra). ``trl.GRPOTrainer`` in this process, the policy
+   generating in-process (batched ``transformers`` ``generate``, TRL's default
+   generation: its vLLM mode needs vLLM <= 0.31), given the ``arithmetic_tool`` env's own
+   rollout code through TRL's documented ``rollout_func``: the env's agent loop, chat
+   template, tool-call parser, calculator, items and turn rewards
+   (``BaseEnv.collect_group``), every rollout's next turn in one ``generate`` call
+   (:class:`InProcessBackend`). TRL gives one scalar reward per completion, so its two
+   reward functions are the env's turn rewards summed: the calculator turn's (right
+   expression) and the outcome's; the tool results are masked out of the loss
+   (``env_mask``). ``lr_scheduler_type: constant_with_warmup`` is the trainer's linear
+   warm-up to a constant learning rate (TRL's first step has learning rate 0, the
+   trainer's lr/warm-up); TRL's other settings are its defaults (loss ``dapo``, no KL,
+   gradient checkpointing on, torch's threads). It is evaluated before and after on the same 256 items with the
+   same agent loop, in-process. Step times: from TRL's ``on_step_begin`` to
+   ``on_step_end`` (generation, scoring, forward, backward, optimizer).
+
+The first ``--skip`` steps of each are left out of the step times (warm-up). One
+difference stays: Lachesis sets aside groups whose episodes all scored the same (no
+signal) and trains on 8 groups with signal, drawing more when it must; TRL trains on
+the 8 groups it drew, signal or not (``groups_with_signal`` says how many had it).
+
+    /work/wt/heavy .venv/bin/python benchmarks/trl_grpo.py \\
+        --model runs/quickstart/warm_start/final --steps 30 --json /tmp/trl_grpo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from rl_step_time import (  # noqa: E402
+    _steps, add_run_arguments, check_model, free_port, run_config)
+
+
+def quickstart() -> dict[str, Any]:
+    return yaml.safe_load((REPO_ROOT / "configs" / "quickstart.yaml").read_text())
+
+
+# -- in-process generation for the env's agent loop ------------------------------------
+class InProcessBackend:
+    """A :class:`~environments.rollout.TurnBackend` that samples with a ``transformers``
+    model in this process. Turns wait until every rollout under way (counted by
+    :meth:`track`) has asked for its next one, or finished; then one left-padded,
+    batched ``generate`` samples them all (each cut after its first stop token or at its
+    own ``max_tokens``), with the sampling distribution's logprob of every token."""
+
+    trainable = True
+
+    def __init__(self, model: Any, renderer: Any, sampling: dict[str, Any]):
+        """``sampling``: the env's (``EnvConfig.sampling``): temperature (0: greedy) and
+        top_p; nothing else is supported."""
+        other = sorted(set(sampling) - {"temperature", "top_p"})
+        if other:
+            raise ValueError(f"in-process generation supports temperature and top_p, "
+                             f"not {other} (sampling_extra)")
+        self.model = model
+        self.renderer = renderer
+        self.temperature = float(sampling.get("temperature", 1.0))
+        self.top_p = float(sampling.get("top_p", 1.0))
+        self.stop_token_ids = set(renderer.stop_token_ids)
+        self.pad_id = renderer.tokenizer.pad_token_id
+        self.pending: list[tuple[list[int], int, asyncio.Future]] = []
+        """(context, max_tokens, future of the turn) of each turn asked for."""
+        self.active = 0
+        self.batches: list[int] = []
+        """The size of each ``generate`` call."""
+        self._check_scheduled = False
+
+    def track(self, collect_trajectory: Any) -> Any:
+        """``collect_trajectory`` counted as a rollout under way while it runs."""
+        async def tracked(*args: Any, **kwargs: Any) -> Any:
+            self.active += 1
+            try:
+                return await collect_trajectory(*args, **kwargs)
+            finally:
+                self.active -= 1
+                self._schedule_check()
+        return tracked
+
+    async def generate(self, state: Any, max_tokens: int) -> Any:
+        return await self.generate_from(state.context, max_tokens)
+
+    async def generate_from(self, token_ids: list[int], max_tokens: int) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((list(token_ids), max_tokens, future))
+        self._schedule_check()
+        return await future
+
+    def _schedule_check(self) -> None:
+        # checked once the tasks ready now have run (each runs to its next request)
+        if not self._check_scheduled:
+            self._check_scheduled = True
+            asyncio.get_running_loop().call_soon(self._check)
+
+    def _check(self) -> None:
+        self._check_scheduled = False
+        if self.pending and len(self.pending) >= self.active:
+            batch, self.pending = self.pending, []
+            try:
+                turns = self.sample([c for c, _, _ in batch], [n for _, n, _ in batch])
+            except Exception as error:  # noqa: BLE001 - each rollout fails with it
+                for _, _, future in batch:
+                    future.set_exception(error)
+                return
+            for (_, _, future), turn in zip(batch, turns):
+                future.set_result(turn)
+
+    def sample(self, contexts: list[list[int]], max_tokens: list[int]) -> list[Any]:
+        import torch
+
+        from environments.inference.backends import sampled_turn
+
+        self.batches.append(len(contexts))
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c):] = torch.tensor(c)
+            mask[i, width - len(c):] = 1
+        with torch.no_grad():
+            sample = {"do_sample": True, "temperature": self.temperature, "top_k": 0,
+                      "top_p": self.top_p} if self.temperature > 0 else {"do_sample": False}
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, **sample,
+                max_new_tokens=max(max_tokens), eos_token_id=sorted(self.stop_token_ids),
+                pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
+            new = out.sequences[:, width:]
+            logits = torch.stack(out.logits, dim=1).float() / (self.temperature or 1.0)
+            logprobs = torch.log_softmax(logits, dim=-1).gather(
+                -1, new.unsqueeze(-1)).squeeze(-1)
+        turns = []
+        for row, lps, limit in zip(new.tolist(), logprobs.tolist(), max_tokens):
+            end = next((k + 1 for k, t in enumerate(row) if t in self.stop_token_ids),
+                       len(row))
+            reason = "stop" if end <= limit and row[end - 1] in self.stop_token_ids \
+                else "length"
+            end = min(end, limit)
+            turns.append(sampled_turn(self.renderer, self.stop_token_ids, row[:end],
+                                      lps[:end], reason))
+        return turns
+
+
+def make_env(model: Any, tokenizer: Any, settings: dict[str, Any], concurrency: int) -> Any:
+    """The ``arithmetic_tool`` env (``settings``: the quickstart's) rolling out with
+    ``model`` in-process; every group is kept (TRL needs its 8 completions)."""
+    from environments.envs.arithmetic_tool import ArithmeticToolEnv
+    from environments.inference.chat_template import ChatRenderer
+
+    env = ArithmeticToolEnv(ArithmeticToolEnv.config_class.model_validate({
+        **settings, "keep_equal_score_groups": True, "concurrency": concurrency,
+        "max_queued_groups": None}))
+    env.renderer = ChatRenderer(tokenizer)
+    env.backend = InProcessBackend(model, env.renderer, env.config.sampling())
+    env.eval_backend = InProcessBackend(model, env.renderer,
+                                        env.config.sampling(evaluation=True))
+    collect = env.collect_trajectory
+    env.collect_trajectory = env.backend.track(env.eval_backend.track(collect))
+    return env
+
+
+def trajectory_row(trajectory: Any) -> dict[str, Any]:
+    """One TRL completion of a scored trajectory: the prompt, the rest (assistant turns,
+    tool results, template tokens), which of it the policy sampled (``env_mask``), the
+    sampling logprobs, and the env's turn rewards."""
+    from environments.trajectory import MASKED
+
+    start = trajectory.turn_spans[0][0]
+    sampled = [int(m != MASKED) for m in trajectory.masks[start:]]  # (Atropos masks)
+    scores = trajectory.scores if isinstance(trajectory.scores, list) else [trajectory.scores]
+    return {"prompt_ids": trajectory.tokens[:start],
+            "completion_ids": trajectory.tokens[start:],
+            "env_mask": sampled,
+            "logprobs": [float(x) if s else 0.0 for x, s in
+                         zip(trajectory.inference_logprobs[start:], sampled)],
+            "turn_rewards": [float(s) for s in scores]}
+
+
+def env_rollouts(env: Any, items: dict[str, Any], loop: asyncio.AbstractEventLoop,
+                 prompts: list[Any]) -> dict[str, list[Any]]:
+    """TRL's ``rollout_func`` output for ``prompts`` (each prompt ``group_size`` times in
+    a row, as TRL's sampler repeats it): one env group per run of equal prompts."""
+    size = env.config.group_size
+    if len(prompts) % size:
+        raise ValueError(f"{len(prompts)} prompts: not runs of group_size {size}")
+    questions = [p[-1]["content"] for p in prompts]
+    runs = [questions[i:i + size] for i in range(0, len(questions), size)]
+    if any(len(set(run)) != 1 for run in runs):
+        raise ValueError("TRL did not repeat each prompt group_size times in a row")
+
+    async def collect() -> list[Any]:
+        return await asyncio.gather(*(env.collect_group(items[run[0]]) for run in runs))
+
+    groups = loop.run_until_complete(collect())
+    rows = [trajectory_row(t) for g in groups for t in g.trajectories]
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+def tool_call_reward(completions: Any, turn_rewards: list[list[float]],
+                     **_: Any) -> list[float]:
+    """The turns before the answer (the calculator call): their mean turn reward."""
+    return [sum(r[:-1]) / len(r[:-1]) if len(r) > 1 else 0.0 for r in turn_rewards]
+
+
+def outcome_reward(completions: Any, turn_rewards: list[list[float]], **_: Any) -> list[float]:
+    """The answer turn's reward (the outcome)."""
+    return [r[-1] for r in turn_rewards]
+
+
+def grpo_trainer(env: Any, items: list[Any], loop: asyncio.AbstractEventLoop, model: Any,
+                 tokenizer: Any, *, steps: int, batch: int, lr: float, warmup_steps: int,
+                 output_dir: Path, seed: int, callbacks: list[Any] = ()
+                 ) -> tuple[Any, list[int]]:
+    """TRL's ``GRPOTrainer`` on ``items`` of ``env`` (rolled out by ``env``'s own code,
+    :func:`env_rollouts`), ``batch`` completions a step in groups of the env's
+    ``group_size``; and the list to which each step appends its groups with signal."""
+    import datasets
+    import trl
+    from trl.models import unwrap_model_for_generation
+
+    by_question = {item["question"]: item for item in items}
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": env.prompt_messages(item)} for item in by_question.values()])
+    group = env.config.group_size
+    signal: list[int] = []
+
+    def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        # as TRL's own generation does: the bare model, without gradient checkpointing
+        # (transformers' generate without its KV cache samples garbage here)
+        with unwrap_model_for_generation(
+                trainer.model_wrapped, trainer.accelerator,
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+        ) as model_now:
+            env.backend.model = model_now
+            out = env_rollouts(env, by_question, loop, prompts)
+        totals = [sum(r) for r in out["turn_rewards"]]
+        signal.append(sum(len(set(totals[i:i + group])) > 1
+                          for i in range(0, len(totals), group)))
+        return out
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = trl.GRPOTrainer(
+        model=model, processing_class=tokenizer,
+        reward_funcs=[tool_call_reward, outcome_reward], train_dataset=dataset,
+        rollout_func=rollout_func, callbacks=list(callbacks),
+        args=trl.GRPOConfig(
+            output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch,
+            num_generations=group, gradient_accumulation_steps=1, learning_rate=lr,
+            warmup_steps=warmup_steps, lr_scheduler_type="constant_with_warmup",
+            temperature=env.config.temperature,
+            max_completion_length=env.config.max_token_length, use_cpu=True, bf16=False,
+            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            seed=seed))
+    return trainer, signal
+
+
+def trl_side(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    settings = {**config["envs"][0]["settings"], "tokenizer": args.model}
+    train = config["train"]
+    batch, group = train["batch_size"], settings["group_size"]
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    env = make_env(model, tokenizer, settings, concurrency=max(batch, settings["eval_items"]))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(env.setup())
+
+    def evaluate() -> dict[str, Any]:
+        model.eval()
+        if model.is_gradient_checkpointing:  # (TRL turns it on for training)
+            model.gradient_checkpointing_disable()
+        started = time.monotonic()
+        result = loop.run_until_complete(env.evaluate())
+        return {**result, "seconds": time.monotonic() - started}
+
+    before = evaluate()
+    print(f"TRL side: evaluation before: accuracy {before['correct']:.3f} "
+          f"({before['seconds']:.1f} s)", flush=True)
+    items = [loop.run_until_complete(env.get_next_item())
+             for _ in range(args.steps * batch // group)]
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self.logs: list[dict[str, Any]] = []
+
+        def on_step_begin(self, args_, state, control, **kwargs):
+            self.began = time.monotonic()
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            self.seconds.append(time.monotonic() - self.began)
+
+        def on_log(self, args_, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    times = StepTimes()
+    grpo, signal = grpo_trainer(
+        env, items, loop, model, tokenizer, steps=args.steps, batch=batch,
+        lr=train["lr"], warmup_steps=train["warmup_steps"],
+        output_dir=Path(args.workdir) / "trl", seed=args.seed, callbacks=[times])
+    model.train()
+    started = time.monotonic()
+    grpo.train()
+    wall = time.monotonic() - started
+    after = evaluate()
+    steps = times.seconds[args.skip:]
+    rewards = [log["reward"] for log in times.logs if "reward" in log]
+    loop.run_until_complete(env.close())
+    loop.close()
+    return {
+        "side": "trl", "trl_version": trl.__version__, "steps": len(times.seconds),
+        "timed_steps": len(steps), "median_step_s": statistics.median(steps),
+        "mean_step_s": statistics.mean(steps), "max_step_s": max(steps),
+        "completions_per_s": batch * len(steps) / sum(steps), "train_wall_s": wall,
+        "reward_mean_first_5": statistics.mean(rewards[:5]) if rewards else None,
+        "reward_mean_last_5": statistics.mean(rewards[-5:]) if rewards else None,
+        "groups_with_signal_mean": statistics.mean(signal) if signal else None,
+        "generate_batches_mean": statistics.mean(env.backend.batches),
+        "accuracy_before": before["correct"], "accuracy_after": after["correct"],
+        "accuracy_after_ci95": after["correct_ci95"], "eval_items": after["items"],
+        "eval_failed": after["failed"], "step_s": times.seconds}
+
+
+def lachesis_side(args: argparse.Namespace) -> dict[str, Any]:
+    name = "bench-trl-lachesis"
+    config = run_config(args.model, name, args.steps, {}, free_port())
+    config["evaluate"] = True
+    config_path = Path(args.workdir) / f"{name}.yaml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log_path = Path(args.workdir) / f"{name}.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "lachesis.cli", "run", str(config_path), "--fresh"],
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=log,
+            stderr=subprocess.STDOUT, timeout=args.timeout)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"lachesis run exited with {done.returncode} (log: {log_path})")
+    run_dir = Path("runs") / name
+    steps = _steps(run_dir / "trainer" / "metrics.jsonl")
+    timed = [s for s in steps if s["step"] > args.skip]
+    step_s = [s["time/step"] for s in timed]
+    before, after = (json.loads((run_dir / "eval" / f"{when}-arithmetic_tool.json").read_text())
+                     for when in ("before", "after"))
+    rewards = [s["reward_mean"] for s in steps]
+    return {
+        "side": "lachesis", "steps": len(steps), "timed_steps": len(timed),
+        "median_step_s": statistics.median(step_s), "mean_step_s": statistics.mean(step_s),
+        "max_step_s": max(step_s),
+        "completions_per_s": sum(s["rows"] for s in timed) / sum(step_s),
+        "run_wall_s": wall,
+        "reward_mean_first_5": statistics.mean(rewards[:5]),
+        "reward_mean_last_5": statistics.mean(rewards[-5:]),
+        "groups_set_aside": sum(s.get("groups_set_aside", 0) for s in steps),
+        "accuracy_before": before["correct"], "accuracy_after": after["correct"],
+        "accuracy_after_ci95": after["correct_ci95"], "eval_items": after["items"],
+        "eval_failed": after["failed"], "step_s": [s["time/step"] for s in steps],
+        "log": str(log_path)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_arguments(parser, steps=30)
+    parser.add_argument("--seed", type=int, default=0, help="TRL's seed")
+    parser.add_argument("--sides", default="lachesis,trl",
+                        help="which to run, in this order (comma-separated)")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--workdir", default="runs/bench-trl")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    check_model(args.model)
+    sides = args.sides.split(",")
+    if unknown := [s for s in sides if s not in ("lachesis", "trl")]:
+        sys.exit(f"--sides: unknown {unknown}; use lachesis and/or trl")
+    if args.steps <= args.skip:
+        sys.exit(f"--steps {args.steps} must be more than --skip {args.skip}")
+    if "trl" in sides:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            sys.exit("TRL is not installed: pip install -e '.[bench]'")
+    results = []
+    for side in sides:
+        print(f"-- {side}: {args.steps} steps from {args.model}", flush=True)
+        result = lachesis_side(args) if side == "lachesis" else trl_side(args, quickstart())
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "step_s"}), flush=True)
+    print(f"\n{args.steps} steps of 8 groups of 8 from {args.model} (the first {args.skip} "
+          "left out of the step times)\n")
+    print("| | median s/step | mean s/step | completions/s | accuracy before | "
+          "accuracy after [95 % CI] |")
+    print("|---|---:|---:|---:|---:|---:|")
+    label = {"lachesis": "`lachesis run` (vLLM CPU)",
+             "trl": "TRL `GRPOTrainer`, in-process generation"}
+    for r in results:
+        low, high = r["accuracy_after_ci95"]
+        print(f"| {label[r['side']]} | {r['median_step_s']:.2f} | {r['mean_step_s']:.2f} | "
+              f"{r['completions_per_s']:.1f} | {r['accuracy_before']:.3f} | "
+              f"{r['accuracy_after']:.3f} [{low:.3f}, {high:.3f}] |")
+    by_side = {r["side"]: r for r in results}
+    if len(by_side) == 2:
+        ratio = by_side["lachesis"]["median_step_s"] / by_side["trl"]["median_step_s"]
+        print(f"\nmedian step, lachesis / TRL = {ratio:.2f} (goal <= 1: "
+              f"{'met' if ratio <= 1 else 'NOT met'})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
