@@ -17,7 +17,8 @@ import yaml
 from conftest import REPO
 
 from lachesis.run.config import RunConfig
-from lachesis.run.layout import build_layout, visible_devices
+from lachesis.run.layout import (Placement, build_layout, trainer_processes,
+                                  visible_devices)
 from lachesis.run.plan import format_plan, make_plan
 from lachesis.run.supervisor import Supervisor
 from sandbox_fixtures import docker_image  # noqa: F401
@@ -497,11 +498,15 @@ def test_a_guard_whose_starter_died_before_it_armed_runs_nothing(tmp_path):
 def test_a_one_process_trainer_gets_a_thread_count_unless_the_run_sets_one(tmp_path,
                                                                          monkeypatch):
     """Torch's default (a thread per core) beside vLLM's CPU engine made the quickstart's
-    update 2.8x slower on 2 cores (issue 44); torchrun sets its own."""
+    update 2.8x slower on 2 cores (issue 44); torchrun sets its own. The warm start runs
+    before anything else of the run: it gets every core."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     one = config(tmp_path, train={"batch_size": 8, "steps": 2})
     assert build_layout(one).trainer.env["OMP_NUM_THREADS"] == "1"
+    (warm_start,) = trainer_processes(one, "warm_start", tmp_path / "ws.yaml", None,
+                                      Placement(), alone=True)
+    assert warm_start.env["OMP_NUM_THREADS"] == "2"
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert build_layout(one).trainer.env["OMP_NUM_THREADS"] == "7"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice reaches it unchanged

@@ -322,12 +322,14 @@ def deterministic_vllm_args(max_model_len: int) -> list[str]:
 
 
 def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
-                      settings: dict[str, Any] | None, place: Placement) -> list[Process]:
+                      settings: dict[str, Any] | None, place: Placement, *,
+                      alone: bool = False) -> list[Process]:
     """``lachesis train --config train_yaml`` on ``train.nproc`` ranks: one process
     (torchrun for several ranks), or with :attr:`Placement.per_rank` one process per rank
     in the places ``trainer-0``, ``trainer-1``, ... (named ``NAME-RANK``), rendezvous at
     rank 0's place. The first process writes ``settings`` into ``train_yaml`` (None: it is
-    written already)."""
+    written already). ``alone``: nothing of the run runs beside it (the warm start), so a
+    one-process trainer gets a thread per core (:func:`trainer_threads`)."""
     logs = config.run_dir / "logs"
     nproc, devices = config.train_nproc, config.train_devices
     command = lachesis_command("train", "--config", str(train_yaml))
@@ -338,7 +340,7 @@ def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
                        "--nproc-per-node", str(nproc), "-m", "lachesis.cli", "train",
                        "--config", str(train_yaml)]
         return [Process(name, command, logs / f"{name}.log",
-                        env={**(trainer_threads() if nproc == 1 else {}),  # (torchrun: 1)
+                        env={**(trainer_threads(alone) if nproc == 1 else {}),  # (torchrun: 1)
                              **place.device_env("trainer-0", devices)},
                         devices=devices,
                         settings=None if settings is None else (train_yaml, settings),
@@ -352,15 +354,19 @@ def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
                     slot=f"trainer-{rank}") for rank in range(nproc)]
 
 
-def trainer_threads() -> dict[str, str]:
+def trainer_threads(alone: bool = False) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for a one-process trainer, unless the run's environment sets it:
     half the machine's cores less one, at least 1. vLLM's engine and the env servers run
     beside it; torch's default (a thread per core) made its OpenMP threads wait for each
     other on cores the engine holds: on 2 cores the quickstart's update took 2.2 s with 2
-    threads, 0.8 s with 1 (benchmarks/rl_step_time.py, docs/benchmarks.md)."""
+    threads, 0.8 s with 1 (benchmarks/rl_step_time.py, docs/benchmarks.md). ``alone``
+    (the warm start, before anything else of the run starts): a thread per core; on 2
+    cores the quickstart's SFT step took 0.10-0.12 s with 2 threads, 0.15 s with 1
+    (median of 55 steps, twice each)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2 - 1))}
+    cores = os.cpu_count() or 1
+    return {"OMP_NUM_THREADS": str(cores if alone else max(1, cores // 2 - 1))}
 
 
 def _kind(env: EnvSettings) -> str:

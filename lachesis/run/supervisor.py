@@ -311,7 +311,7 @@ class Supervisor:
         self.say(f"warm start: SFT on {ws.demonstrations} {ws.env} demonstrations")
         # The trainer's ranks, as the RL phase's trainer runs (train.nproc, train.devices).
         ranks = [self.start_process(process) for process in trainer_processes(
-            config, "warm_start", train_yaml, None, self.placement)]
+            config, "warm_start", train_yaml, None, self.placement, alone=True)]
         self.wait_for_end(ranks)
         checkpoint = latest_checkpoint(sft_dir)
         if checkpoint is None:
