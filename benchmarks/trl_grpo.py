@@ -30,7 +30,7 @@ difference stays: Lachesis sets aside groups whose episodes all scored the same 
 signal) and trains on 8 groups with signal, drawing more when it must; TRL trains on
 the 8 groups it drew, signal or not (``groups_with_signal`` says how many had it).
 
-    /work/wt/heavy .venv/bin/python benchmarks/trl_grpo.py \\
+    .venv/bin/python benchmarks/trl_grpo.py \\
         --model runs/quickstart/warm_start/final --steps 30 --json /tmp/trl_grpo.json
 """
 
