@@ -15,6 +15,8 @@ them).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,3 +156,16 @@ def test_no_imports_of_other_modules_private_names():
              for target, names, line in imports(name, path, set(known))
              for n in names if n.startswith("_") and target != name]
     assert not wrong, "\n".join(wrong)
+
+
+def test_processes_that_compute_nothing_start_without_torch():
+    """The supervisor of `lachesis run`, the rollout API and an env server compute nothing
+    with torch: importing it costs each start about 1.5 s of CPU (a run starts these many
+    times: restarts, evaluations, every test of `lachesis run`)."""
+    modules = ["lachesis.cli", "lachesis.run.supervisor", "environments.api.server",
+               "environments.framework.runner"]
+    code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -7,6 +7,9 @@ A checkpoint is written under a temporary name, every file flushed to disk, a ma
 ``.tmp`` directory that is never loaded. On load the manifest is checked (every file
 there, at its size) and the trainer state read; a checkpoint that fails is skipped for
 the one before it. The newest ``keep`` checkpoints are kept.
+
+torch is imported by the functions that read or write tensors: ``lachesis run``'s
+supervisor finds checkpoints with this module and never loads torch (1.5 s of CPU a run).
 """
 
 from __future__ import annotations
@@ -20,9 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-
-from trainer.distributed import load_optimizer_state
 
 log = logging.getLogger("lachesis.train")
 MANIFEST = "checkpoint.json"
@@ -48,6 +48,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer_state: dict[str, 
     ``keep``: how many of the newest checkpoints to keep (None: all); ``metrics``: the
     step's metrics line (``metrics.json``), logged again on resume if a crash before
     the line was written lost it."""
+    import torch
+
     path = checkpoint_dir(run_dir, step)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # what a crash mid-write left
@@ -98,6 +100,8 @@ def verify(checkpoint: Path) -> str | None:
             return f"{name} is missing"
         if found != size:
             return f"{name} has {found} bytes, the manifest says {size}"
+    import torch
+
     try:
         torch.load(checkpoint / "trainer_state.pt", weights_only=False, map_location="cpu")
     except Exception as error:  # noqa: BLE001 - any unreadable state disqualifies it
@@ -138,6 +142,10 @@ def discard_after(run_dir: Path, step: int) -> list[Path]:
 def restore(checkpoint: Path, model, optimizer, sharded: bool) -> tuple[int, int]:
     """Load the optimizer and RNG states of ``checkpoint`` (the model was loaded from it);
     returns ``(step, data_position)``."""
+    import torch
+
+    from trainer.distributed import load_optimizer_state
+
     state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
     load_optimizer_state(model, optimizer, state["optimizer"], sharded)
     torch.set_rng_state(state["rng"]["torch"])
