@@ -58,7 +58,8 @@ from environments.inference.vllm_process import free_port  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # each: env settings, vLLM args and the run's environment on top of the quickstart's
+    # each: env settings, trainer settings, vLLM args and the run's environment on top of
+    # the quickstart's
     "base": {},
     # before issue 44: 16 rollouts in flight, torch's default threads (one per core, 2 here)
     "before": {"env": {"concurrency": 16}, "environment": {"OMP_NUM_THREADS": "2"}},
@@ -68,6 +69,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "c64": {"env": {"concurrency": 64}},
     "c64-block32": {"env": {"concurrency": 64}, "vllm_args": ["--block-size", "32"]},
     "c64-omp1": {"env": {"concurrency": 64}, "environment": {"OMP_NUM_THREADS": "1"}},
+    # the trainer's default poll for its next batch (the quickstart polls every 0.05 s)
+    "poll0.5": {"train": {"lease_poll_s": 0.5}},
 }
 
 
@@ -77,7 +80,8 @@ def run_config(model: str, name: str, steps: int, variant: dict[str, Any],
     config.pop("build_tiny_model", None)
     config.pop("warm_start", None)
     config.update(name=name, model=str(Path(model).resolve()), evaluate=False)
-    config["train"] = {**config["train"], "steps": steps, "checkpoint_every": 10_000}
+    config["train"] = {**config["train"], **variant.get("train", {}), "steps": steps,
+                       "checkpoint_every": 10_000}
     config["vllm"] = {**config.get("vllm", {}), "port": vllm_port,
                       "args": [*config.get("vllm", {}).get("args", []),
                                *variant.get("vllm_args", [])]}
