@@ -7,8 +7,8 @@ must have run. Prints the fault log and the accounting; exits 1 when a check fai
     python benchmarks/chaos.py CONFIG --faults 8 --seed 1
 
 A fault lands a random share of a step's duration (the last logged ``time/step``) after
-the trainer logged a randomly chosen step, so inside the next step however fast steps
-are here: during a step, a weight sync, a checkpoint write or an evaluation, wherever that falls. Each
+the trainer logged a randomly chosen step, or as that next step ends if it is sooner, so
+inside the next step however fast steps are here: during a step, a weight sync, a checkpoint write or an evaluation, wherever that falls. Each
 fault waits until the run has recovered from the one before (the trainer logged a step
 past the step of that fault). ``--fresh-rl`` keeps an existing warm start and starts the
 RL phase over (the warm start is what takes long on a CPU).
@@ -132,6 +132,15 @@ class Chaos:
                 raise SystemExit(f"no step {step} after {timeout_s:.0f} s; see {self.log.name}")
             time.sleep(0.2)
 
+    def sleep_within_step(self, delay_s: float) -> None:
+        """Sleep ``delay_s``, but no longer than the step under way lasts: the last logged
+        step can have been slow (a restart, a batch wait) and the next ones fast (queued
+        groups), and a fault must land inside the step after the one it was planned at,
+        not steps later or after the run's last step."""
+        step, deadline = self.step(), time.monotonic() + delay_s
+        while time.monotonic() < deadline and self.step() == step and self.run.poll() is None:
+            time.sleep(0.05)
+
     def strike(self, fault: Fault) -> None:
         fault.at_step, fault.at_s = self.step(), self.now()
         if fault.kind == "run":  # a power cut: the supervisor and every process at once
@@ -169,13 +178,21 @@ class Chaos:
         else:
             self.start_run("--fresh")
         for fault in faults:
+            if self.run.poll() is not None:  # a fault before this one landed after the
+                fault.note = "the run had ended: skipped"  # last step, and the run is done
+                continue
             self.wait_step(fault.step, args.timeout_s)
             fault.delay_s = fault.fraction * self.step_seconds()
-            time.sleep(fault.delay_s)
+            self.sleep_within_step(fault.delay_s)
             self.strike(fault)
             print(f"[{fault.at_s:7.1f} s] step {fault.at_step}: killed {fault.kind} "
                   f"{fault.pids} {fault.note}", flush=True)
-            if fault.pids:  # recovered once the trainer logs a step past this one
+            if fault.pids and fault.at_step >= self.steps:
+                # it hit the run's last moments (the last step's sync or checkpoint, the
+                # final evaluation): recovered once the run ends, which the report checks
+                self.run.wait(timeout=args.timeout_s)
+                fault.recovered_s = self.now() - fault.at_s
+            elif fault.pids:  # recovered once the trainer logs a step past this one
                 self.wait_step(fault.at_step + 1, args.timeout_s)
                 fault.recovered_s = self.now() - fault.at_s
         code = self.run.wait(timeout=args.timeout_s)

@@ -19,7 +19,9 @@ def test_a_run_survives_its_trainer_env_server_and_api_killed(tiny_model_dir, tm
     config = write_config(
         tmp_path, tiny_model_dir, "chaos", warm_start=None, evaluate_before=False,
         restart_backoff_s=0.2,
-        train={"steps": 8, "batch_size": 8, "micro_batch_size": 8, "lr": 1.0e-4,
+        # 10 steps: faults planned at steps 2-8 leave room for a step or two of catching
+        # up after a restart (queued groups train fast) before the run's last step
+        train={"steps": 10, "batch_size": 8, "micro_batch_size": 8, "lr": 1.0e-4,
                "checkpoint_every": 2, "tensorboard": False})
     out = subprocess.run(
         [sys.executable, "benchmarks/chaos.py", str(config), "--faults", "3", "--seed", "3",
