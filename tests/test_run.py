@@ -63,8 +63,13 @@ def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | No
 def test_short_run_flows_groups_syncs_weights_and_leaves_no_process(tiny_model_dir, tmp_path):
     # The quickstart's model: built by the run (learned tokenizer, compact tool prompt), so
     # vLLM serving it and the trainer's step-0 alignment check against vLLM are tested too.
+    # One batch ahead at most (2 groups): step 3's groups start only after step 2's lease,
+    # which follows step 1's weight sync, so they are sampled by a synced policy however
+    # the processes are timed (4 ahead let steps 1-3 all train groups sampled at version 0).
+    env = {**SHORT_RUN["envs"][0], "settings": {**SHORT_RUN["envs"][0]["settings"],
+                                                "max_queued_groups": 2}}
     config = write_config(tmp_path, tiny_model_dir, "short", model=str(tmp_path / "arith"),
-                          build_tiny_model={"tokenizer": "arithmetic"})
+                          build_tiny_model={"tokenizer": "arithmetic"}, envs=[env])
     run = start_run(config)
     out, err = run.communicate(timeout=900)
     assert run.returncode == 0, err[-3000:]
