@@ -69,14 +69,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "c64": {"env": {"concurrency": 64}},
     "c64-block32": {"env": {"concurrency": 64}, "vllm_args": ["--block-size", "32"]},
     "c64-omp1": {"env": {"concurrency": 64}, "environment": {"OMP_NUM_THREADS": "1"}},
-    # the trainer's default poll for its next batch (the quickstart polls every 0.05 s)
+    # the trainer's poll for its next batch before it became 0.05 s
     "poll0.5": {"train": {"lease_poll_s": 0.5}},
 }
 
 
+def quickstart_config() -> dict[str, Any]:
+    """configs/quickstart.yaml, as a dict."""
+    return yaml.safe_load((REPO_ROOT / "configs" / "quickstart.yaml").read_text())
+
+
 def run_config(model: str, name: str, steps: int, variant: dict[str, Any],
                vllm_port: int) -> dict[str, Any]:
-    config = yaml.safe_load((REPO_ROOT / "configs" / "quickstart.yaml").read_text())
+    config = quickstart_config()
     config.pop("build_tiny_model", None)
     config.pop("warm_start", None)
     config.update(name=name, model=str(Path(model).resolve()), evaluate=False)

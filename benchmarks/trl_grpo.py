@@ -55,11 +55,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from rl_step_time import (  # noqa: E402
-    _steps, add_run_arguments, check_model, free_port, run_config)
-
-
-def quickstart() -> dict[str, Any]:
-    return yaml.safe_load((REPO_ROOT / "configs" / "quickstart.yaml").read_text())
+    _steps, add_run_arguments, check_model, free_port, quickstart_config, run_config)
 
 
 # -- in-process generation for the env's agent loop ------------------------------------
@@ -412,7 +408,7 @@ def main() -> None:
     results = []
     for side in sides:
         print(f"-- {side}: {args.steps} steps from {args.model}", flush=True)
-        result = lachesis_side(args) if side == "lachesis" else trl_side(args, quickstart())
+        result = lachesis_side(args) if side == "lachesis" else trl_side(args, quickstart_config())
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "step_s"}), flush=True)
     print(f"\n{args.steps} steps of 8 groups of 8 from {args.model} (the first {args.skip} "
