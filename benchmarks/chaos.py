@@ -39,7 +39,7 @@ from lachesis.run.report import accounting_problems, accounting_text  # noqa: E4
 KINDS = ("trainer", "env", "vllm", "api", "run")
 # What a process's command line holds (the guard that leads its group is not it).
 MARKERS = {"trainer": b"lachesis.cli\0train\0", "env": b"\0env\0serve\0",
-           "vllm": b"vllm.entrypoints.openai.api_server", "api": b"lachesis.cli\0api\0"}
+           "vllm": b"environments.inference.vllm_serve", "api": b"lachesis.cli\0api\0"}
 
 
 @dataclass

@@ -436,7 +436,7 @@ def replica_pid(run: str, port: str) -> int:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"vllm.entrypoints.openai.api_server" in cmdline and port.encode() in cmdline:
+        if b"environments.inference.vllm_serve" in cmdline and port.encode() in cmdline:
             return pid
     raise AssertionError(f"no vLLM process on port {port}")
 

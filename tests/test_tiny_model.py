@@ -188,11 +188,11 @@ def _fake_python(tmp_path, body: str) -> str:
 def test_vllm_process_reports_early_exit(tmp_path):
     proc = VLLMProcess(tmp_path, python=_fake_python(tmp_path, "echo boom: $@; exit 3"),
                        log_path=tmp_path / "log")
-    assert proc.command()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert proc.command()[1:3] == ["-m", "environments.inference.vllm_serve"]
     assert "--enforce-eager" in proc.command() and proc.url.startswith("http://127.0.0.1:")
     with pytest.raises(VLLMProcessError, match="exited with code 3") as error:
         proc.start().wait_ready(timeout=10)
-    assert "boom: -m vllm.entrypoints.openai.api_server --model" in str(error.value)
+    assert "boom: -m environments.inference.vllm_serve --model" in str(error.value)
     proc.stop()
 
 

@@ -3,9 +3,11 @@
     with VLLMProcess(model_dir, max_model_len=4096) as server:
         requests.post(server.url + "/v1/completions", json={...})
 
-The server is started as `python -m vllm.entrypoints.openai.api_server` (the `vllm`
-console script has no distribution metadata in the CPU build) in its own process group,
-so `stop()` also ends the engine-core child process.
+The server is vLLM's `vllm.entrypoints.openai.api_server` (the `vllm` console script has
+no distribution metadata in the CPU build), started as `python -m
+environments.inference.vllm_serve`, which forks its engine core on a CPU instead of
+spawning it (seconds of imports less a start), in its own process group, so `stop()` also
+ends the engine-core child process.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from pathlib import Path
 
 from environments.inference.vllm_auth import middleware_args
 from environments.settings import TOKEN_VARIABLE
+
+
+SERVE_MODULE = "environments.inference.vllm_serve"
+"""What a server's command runs: vLLM's OpenAI API server (same arguments)."""
 
 
 class VLLMProcessError(RuntimeError):
@@ -163,7 +169,7 @@ class VLLMProcess:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+        cmd = [self.python, "-m", SERVE_MODULE,
                "--model", str(self.model_dir), "--host", self.host, "--port", str(self.port),
                "--dtype", self.dtype,
                "--gpu-memory-utilization", str(self.gpu_memory_utilization),
