@@ -18,7 +18,9 @@ from trainer.train import train
 
 def test_trainer_sets_a_poison_group_aside_and_trains_on_the_rest(tiny_model_dir, tmp_path):
     async def scenario():
-        async with running_api(lease_timeout_s=2.0) as (url, api):
+        # A lease outlives a training step, also on a loaded machine (CI: a step took over
+        # 2 s and the ack found its lease expired); the end waits past it.
+        async with running_api(lease_timeout_s=10.0) as (url, api):
             async with RolloutAPIClient(url) as client:
                 groups = [make_group(2, seed=s) for s in range(4)]
                 for g in groups:
@@ -44,7 +46,7 @@ def test_trainer_sets_a_poison_group_aside_and_trains_on_the_rest(tiny_model_dir
             assert status["dead_letters"] == 1 and status["queue_size"] == 0
             assert status["active_leases"] == 0  # acknowledged, not left to expire
             assert status["counters"]["acked_groups"] == 3
-            await asyncio.sleep(2.5)  # past the lease timeout: nothing is redelivered
+            await asyncio.sleep(10.5)  # past the lease timeout: nothing is redelivered
             assert api.status()["queue_size"] == 0
 
             async with aiohttp.ClientSession() as s, s.get(url + "/dead_letters") as r:

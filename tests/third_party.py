@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -47,13 +48,40 @@ def third_party_venv(name: str, requirements: list[str], timeout_s: float = 1200
             return python
         # the base interpreter of the running venv (not the venv itself)
         base = Path(getattr(sys, "_base_executable", sys.executable))
-        subprocess.run([str(base), "-m", "venv", "--clear", str(venv)], check=True)
-        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements],
-                              capture_output=True, text=True, timeout=timeout_s)
+        uv = Path(sys.executable).parent / "uv"  # `make install` puts uv in the venv
+        if uv.exists():  # ~5x faster than pip (77 s -> 15 s for verifiers on a new machine)
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([str(uv), "venv", "-q", "--python", str(base), str(venv)],
+                           check=True)
+            command = [str(uv), "pip", "install", "-q", "--python", str(python),
+                       *uv_sources(base), *requirements]
+        else:
+            subprocess.run([str(base), "-m", "venv", "--clear", str(venv)], check=True)
+            command = [str(python), "-m", "pip", "install", "-q", *requirements]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"building {venv} failed:\n{done.stderr[-4000:]}")
         stamp.write_text(wanted)
     return python
+
+
+def uv_sources(python: Path) -> list[str]:
+    """pip's index, extra indexes and find-links (its configuration and ``PIP_*``
+    variables) as uv's flags, which reads no pip configuration: where pip finds packages
+    here, uv does too (as `make install` hands them to uv)."""
+    def pip_config(key: str) -> list[str]:
+        done = subprocess.run([str(python), "-m", "pip", "config", "get", f"global.{key}"],
+                              capture_output=True, text=True)
+        return done.stdout.split() if done.returncode == 0 else []
+
+    flags = ["--index-strategy", "unsafe-best-match"]
+    for key, flag in (("index-url", "--index-url"), ("extra-index-url", "--extra-index-url"),
+                      ("find-links", "--find-links")):
+        values = os.environ.get(f"PIP_{key.upper().replace('-', '_')}", "").split() \
+            or pip_config(key)
+        for value in values[:1] if key == "index-url" else values:
+            flags += [flag, value]
+    return flags
 
 
 def verifiers_python() -> Path:
