@@ -54,6 +54,17 @@ class TrainConfig(BaseModel):
     """Waiting this long for a batch logs a warning with the rollout API's reason (e.g. no
     groups queued), and again each time as long again passes: a run whose env servers
     deliver nothing (an inference server refusing them, a crashed env loop) says so."""
+    max_batch_wait_s: float | None = Field(default=None, gt=0)
+    """End training early, as a normal end, when no trainable batch has come for this
+    long (counted from when the trainer began asking for the next batch, across batches
+    with nothing to train on, and not before an env server has registered with the
+    rollout API: a ``lachesis run`` trainer waits through the "before" evaluation). The
+    trainer keeps the last step's weights (synced to vLLM, checkpointed), logs why, writes
+    ``run_dir/stopped_early.json`` (``step``, ``steps``, ``waited_s``) and exits 0; the
+    run then evaluates as after a full run. The usual cause: the policy collapsed, every
+    group scores equal and the env servers drop it (``keep_equal_score_groups: false``),
+    so nothing reaches the API. None (the default): wait forever, as a slow env may
+    legitimately take long; set it well above the longest step you expect."""
     max_untrainable_batches: int = Field(default=5, ge=1)
     """A batch with no group to train on (all set aside, or all dropped) is not a step:
     the trainer acknowledges it and takes the next. After this many such batches in a

@@ -77,9 +77,9 @@ from trainer.logprobs import (
 )
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
-from trainer.metrics import Metrics, Progress
+from trainer.metrics import Metrics, Progress, stopped_early_text, write_stopped_early
 from trainer.shaping import shape_rewards, trains_on, with_dynamic_sampling
-from trainer.sources import Batch, open_source
+from trainer.sources import Batch, BatchWaitExceeded, open_source
 from trainer.timing import StepClock, untimed
 from trainer.versions import only_version
 from trainer.vllm_sync import PolicyServers, sharded_sync_check
@@ -338,12 +338,15 @@ async def trainable_batch(source, config: TrainConfig, vocab_size: int, pad_id: 
     """The next batch with something to train on, checked and with advantages. A batch
     whose groups were all set aside (or all dropped) is acknowledged (its bad groups as
     dead letters) and skipped; after ``max_untrainable_batches`` of them in a row,
-    :class:`NothingToTrain` names how many groups there were and why."""
+    :class:`NothingToTrain` names how many groups there were and why. With
+    ``max_batch_wait_s``, the source raises :class:`BatchWaitExceeded` (on every rank)
+    once that long has passed since this call began without a trainable batch."""
     reasons: dict[str, int] = {}
     groups = 0
+    since = time.monotonic()
     for _ in range(config.max_untrainable_batches):
         with clock("batch_wait"):
-            batch = await source.next()
+            batch = await source.next(since)
         if batch.tensors is not None:
             return batch, batch.tensors, {}
         with clock("prepare"):
@@ -409,6 +412,41 @@ async def roll_back_rollouts(source, servers: PolicyServers | None, model, token
              out.get("kept_lost_policy_groups"))
     return {"resumed_from_step": step, **{f"resume_{k}": v for k, v in out.items()},
             **{f"resume_{k}": v for k, v in values.items()}}
+
+
+async def end_early(stopped: BatchWaitExceeded, step: int, *, model, optimizer, tokenizer,
+                    source, servers: PolicyServers | None, config: TrainConfig, trained: bool,
+                    serves: bool, sharded: bool, leader: bool,
+                    metrics_line: dict[str, Any] | None) -> dict[str, Any]:
+    """Training ends after ``step`` (every rank together): no trainable batch came for
+    ``max_batch_wait_s``. What the last step of a full run writes is written now, where
+    step ``step`` has not already: its weights synced into vLLM (and its version posted)
+    and its checkpoint. Then the warning and ``stopped_early.json``; returns the record."""
+    syncs = serves and trained and step % config.sync_every != 0
+    checkpoints = trained and step % config.checkpoint_every != 0
+    weights = full_state_dict(model, sharded) if sharded and (syncs or checkpoints) else None
+    optim = optimizer_state(model, optimizer, sharded) if checkpoints else None
+    record = {"step": step, "steps": config.steps, "waited_s": round(stopped.waited_s, 1),
+              "max_batch_wait_s": config.max_batch_wait_s, "rollout_api": stopped.reason}
+    if not leader:
+        return record
+    if syncs and servers is not None:
+        await servers.publish(model, tokenizer, step, weights)
+        await source.publish_version(step, servers.model_name)
+    if checkpoints:
+        save_checkpoint(config.run_dir, step, model, optim, tokenizer, source.position,
+                        weights, keep=config.keep_checkpoints, metrics=metrics_line)
+        await source.checkpointed(checkpoint_step(complete_checkpoints(config.run_dir)[0]))
+    log.warning(
+        "%s (max_batch_wait_s %g; the rollout API: %s). Likely cause: every group the env "
+        "servers sampled scored equal and was dropped there (keep_equal_score_groups: "
+        "false, the default), as when the policy has collapsed; or the env servers "
+        "produce nothing (see their logs). Training ends here as a normal end, with %s",
+        stopped_early_text(record), config.max_batch_wait_s,
+        stopped.reason or "no reason given",
+        f"step {step}'s weights" if step else "the starting weights")
+    write_stopped_early(config.run_dir, record)
+    return record
 
 
 # --------------------------------------------------------------------------------------
@@ -479,7 +517,11 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                       last_line=checkpoint / STEP_METRICS if checkpoint else None) \
         if leader else None
     progress = Progress(start_step, config.steps) if leader else None
+    if leader:
+        write_stopped_early(run_dir, None)  # an earlier attempt's
     summary: dict[str, Any] = {"start_step": start_step}
+    stopped: BatchWaitExceeded | None = None
+    metrics_line: dict[str, Any] | None = None
     try:
         if servers is not None:
             await servers.start()
@@ -491,8 +533,12 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             clock = StepClock()
             # 1-2. a batch, checked, with advantages (bad groups set aside); a batch with
             # nothing to train on is acknowledged and is not a step
-            batch, tensors, stats = await trainable_batch(source, config, vocab_size, pad_id,
-                                                          leader, clock)
+            try:
+                batch, tensors, stats = await trainable_batch(source, config, vocab_size,
+                                                              pad_id, leader, clock)
+            except BatchWaitExceeded as error:  # max_batch_wait_s: a normal end, early
+                stopped = error
+                break
             # 3. step 0: the trainer's logprobs must be vLLM's
             if step == start_step == 0 and config.check_alignment and rl \
                     and tensors is not None:
@@ -577,6 +623,12 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             metrics.log(version, values)
             progress.update(version, values)
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
+            metrics_line = values
+        if stopped is not None:
+            summary["stopped_early"] = await end_early(
+                stopped, step, model=model, optimizer=optimizer, tokenizer=tokenizer,
+                source=source, servers=servers, config=config, trained=step > start_step,
+                serves=serves, sharded=sharded, leader=leader, metrics_line=metrics_line)
     finally:
         if progress is not None:
             progress.close()

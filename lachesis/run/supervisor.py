@@ -8,7 +8,9 @@ Reads top to bottom:
    each process goes), and the trainer once the API answers (it loads its model while
    vLLM starts, then waits for groups); wait until all answer;
 3. evaluate every env (the "before" column);
-4. start the env servers; show progress until the trainer finishes;
+4. start the env servers; show progress until the trainer finishes (also when it ended
+   early, having had no trainable batch for ``train.max_batch_wait_s``: the run goes on
+   as after a full one, and its summary says so);
 5. evaluate again on the synced weights (the "after" column); write the summary table and
    the reward curve;
 6. always: stop every process of the run, then kill whatever still carries the run's id.
@@ -61,7 +63,7 @@ from lachesis.run.processes import (
 from lachesis.run.progress import RunProgress, last_metrics
 from lachesis.run.ray_cluster import PlacementFailed, RayPlacement, RayUnavailable
 from trainer.checkpoint import STEP_METRICS, checkpoint_dir, checkpoint_step, latest_checkpoint
-from trainer.metrics import truncate_metrics
+from trainer.metrics import read_stopped_early, stopped_early_text, truncate_metrics
 
 log = logging.getLogger("lachesis.run")
 
@@ -494,8 +496,15 @@ class Supervisor:
                 time.sleep(1.0)
             for rank in ranks:
                 self.children.remove(rank)
+            stopped = read_stopped_early(train_dir)
+            if stopped is not None:  # max_batch_wait_s: the run goes on as after a full one
+                summary["stopped_early"] = stopped
+                progress.phase = "stopped early"
             progress.update(last_metrics(train_dir / "metrics.jsonl"),
                             self.api_status(api_url))
+            if stopped is not None:
+                self.say(stopped_early_text(stopped) + " (max_batch_wait_s; the trainer's "
+                         "log says why); evaluating its last weights")
             self.progress = None
         phases["training"] = lap()
         accounting = _get_json(api_url + "/accounting", timeout=30, token=self.token)
@@ -596,6 +605,8 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
         summary = supervisor.run()
         print(summary.get("table", ""), flush=True)
         print(summary.get("time_table", ""), flush=True)
+        if summary.get("stopped_early"):
+            print(stopped_early_text(summary["stopped_early"]), flush=True)
         print(f"run directory: {run_dir}", flush=True)
         return 0
     except (RunFailed, PlacementFailed) as error:
