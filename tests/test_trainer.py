@@ -428,3 +428,99 @@ def test_sequences_without_behaviour_logprobs_train_against_the_weights_at_the_b
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert results[0]["mismatch_kl"] == 0.0 and results[0]["tis_weight_mean"] == 1.0
     assert results[0]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_no_trainable_batch_for_max_batch_wait_s_ends_training_early_as_a_normal_end(
+        tiny_model_dir, tmp_path, dynamic_sampling):
+    """The rollout API stops delivering after 2 steps of 5 (as when every group the env
+    servers sample scores equal and is dropped there): ``max_batch_wait_s`` later the
+    trainer returns normally with step 2's weights checkpointed and the record written
+    (a stale one replaced). Its clock starts once an env server has registered: waiting
+    longer than the limit before that (a ``lachesis run`` trainer waits through the
+    "before" evaluation) ends nothing. With dynamic sampling, a step that has some groups
+    with signal trains on them when the wait runs out."""
+    import time
+
+    from conftest import make_group, running_api
+
+    from environments.api.client import RolloutAPIClient
+    from trainer.checkpoint import latest_checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "stopped_early.json").write_text('{"step": 7}')  # an earlier attempt's
+    groups = [make_group(2, 8, seed=s) for s in range(4)]
+    for t in groups[3].trajectories:  # no signal: dynamic sampling leaves it out
+        t.scores = 1.0
+    cfg = TrainConfig(model=str(tiny_model_dir), batch_size=4, steps=5, lr=1e-3,
+                      checkpoint_every=10, tensorboard=False, run_dir=run_dir,
+                      max_batch_wait_s=1.0, dynamic_sampling=dynamic_sampling,
+                      check_alignment=False)
+
+    async def scenario():
+        async with running_api() as (url, api), RolloutAPIClient(url) as env:
+            training = asyncio.ensure_future(train(cfg.model_copy(update={"api_url": url})))
+            while not (await env.status())["trainer_registered"]:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(2.5)  # no env server yet: the clock has not started
+            assert not training.done()
+            env_id = (await env.register_env("e", group_size=2,
+                                              max_token_length=64))["env_id"]
+            pushed = time.monotonic()
+            for group in groups:
+                group.env_id = env_id
+                await env.push_group(group)
+            summary = await asyncio.wait_for(training, 300)
+            return summary, time.monotonic() - pushed, await env.status()
+
+    summary, seconds, status = asyncio.run(scenario())
+    record = summary["stopped_early"]
+    assert (record["step"], record["steps"], summary["last_step"]) == (2, 5, 2)
+    assert 1.0 <= record["waited_s"] < 10 and seconds < 60
+    assert json.loads((run_dir / "stopped_early.json").read_text()) == record
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    if dynamic_sampling:  # step 2: group 3 left out, no more came: trained on group 2
+        assert (metrics[1]["dynamic_sampling_groups_equal"], metrics[1]["rows"]) == (1, 2)
+    assert latest_checkpoint(run_dir).name == "step_000002"  # the end's checkpoint
+    assert status["counters"]["acked_leases"] == 2 and status["active_leases"] == 0
+
+
+def test_two_ranks_end_early_together_when_no_batch_comes(tiny_model_dir, tmp_path,
+                                                          api_process):
+    """torchrun, 2 CPU processes, FSDP: rank 0 decides the wait is over and rank 1 follows
+    (no rank is left in a collective): both gather the weights for the end's checkpoint
+    and the trainer exits 0."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, make_group
+
+    from environments.api.client import RolloutAPIClient
+
+    api = api_process("--in-memory")
+
+    async def push():
+        async with RolloutAPIClient(api.url) as env:
+            env_id = (await env.register_env("e", group_size=2,
+                                              max_token_length=64))["env_id"]
+            for s in range(2):
+                group = make_group(2, 8, seed=s)
+                group.env_id = env_id
+                await env.push_group(group)
+
+    asyncio.run(push())
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", "-m", "lachesis.cli", "train", "--model", str(tiny_model_dir),
+         "--api-url", api.url, "--batch-size", "4", "--steps", "3", "--sharding", "fsdp",
+         "--checkpoint-every", "10", "--max-batch-wait-s", "2", "--check-alignment",
+         "false", "--tensorboard", "false", "--run-dir", str(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "training stopped early at step 1 of 3: no trainable batch for 2 s" \
+        in result.stderr
+    assert json.loads((run_dir / "stopped_early.json").read_text())["step"] == 1
+    assert (run_dir / "checkpoints/step_000001/model.safetensors").exists()

@@ -47,6 +47,16 @@ class TrainConfig(BaseModel):
     max_token_length: int = Field(default=2048, ge=8)
     steps: int = Field(default=100, ge=1)
     lease_poll_s: float = Field(default=0.5, gt=0)
+    max_batch_wait_s: float | None = Field(default=None, gt=0)
+    """End training early, as a normal end, when no trainable batch has come for this
+    long (counted from when the trainer began asking for the next batch, across batches
+    with nothing to train on, and not before an env server has registered with the
+    rollout API). The trainer keeps the last step's weights (synced to vLLM,
+    checkpointed), logs why, writes ``run_dir/stopped_early.json`` (``step``, ``steps``,
+    ``waited_s``) and exits 0; the run then evaluates as after a full run. The usual
+    cause: the policy collapsed, every group scores equal and the env servers drop it
+    (``keep_equal_score_groups: false``), so nothing reaches the API. None (the default):
+    wait forever."""
     max_untrainable_batches: int = Field(default=5, ge=1)
     """A batch with no group to train on (all set aside, or all dropped) is not a step:
     the trainer acknowledges it and takes the next. After this many such batches in a

@@ -80,3 +80,33 @@ class Metrics:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+STOPPED_EARLY = "stopped_early.json"
+"""In the trainer's ``run_dir`` when training ended before ``steps`` because no trainable
+batch came for ``max_batch_wait_s`` (``step``, ``steps``, ``waited_s``, ...)."""
+
+
+def write_stopped_early(run_dir: Path, record: dict[str, Any] | None) -> None:
+    """Write the record (None: remove a stale one, as a (re)started trainer does)."""
+    path = run_dir / STOPPED_EARLY
+    if record is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def read_stopped_early(run_dir: Path) -> dict[str, Any] | None:
+    """The record of a trainer that stopped early (None: it did not)."""
+    try:
+        return json.loads((run_dir / STOPPED_EARLY).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stopped_early_text(record: dict[str, Any]) -> str:
+    """``training stopped early at step K of N: no trainable batch for S s``."""
+    return (f"training stopped early at step {record['step']} of {record['steps']}: "
+            f"no trainable batch for {record['waited_s']:.0f} s")

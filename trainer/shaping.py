@@ -21,7 +21,7 @@ from typing import Any
 
 from environments.trajectory import MASKED, ScoredTrajectory, equal_scores
 from trainer.config import TrainConfig
-from trainer.sources import Batch, BatchSource
+from trainer.sources import Batch, BatchSource, BatchWaitExceeded
 
 log = logging.getLogger("lachesis.train")
 
@@ -82,10 +82,17 @@ class DynamicSampling:
     def position(self, value: int) -> None:
         self.source.position = value
 
-    async def next(self) -> Batch:
+    async def next(self, since: float | None = None) -> Batch:
         kept, parts, n, equal, surplus = [], [], 0, 0, 0
+        limit = "dynamic_sampling_max_batches"
         while n < self.config.batch_size and len(parts) < self.config.dynamic_sampling_max_batches:
-            part = await self.source.next()
+            try:
+                part = await self.source.next(since)
+            except BatchWaitExceeded:  # max_batch_wait_s: train on what it has, if any
+                if not parts:
+                    raise
+                limit = "max_batch_wait_s"
+                break
             parts.append(part)
             for group in part.groups:
                 if equal_scores(group.trajectories):
@@ -102,8 +109,8 @@ class DynamicSampling:
                        "dynamic_sampling_full": float(n >= self.config.batch_size)}
         if n < self.config.batch_size:
             log.warning("dynamic sampling: %d of %d sequences with signal after %d batches "
-                        "(dynamic_sampling_max_batches); training on them", n,
-                        self.config.batch_size, len(parts))
+                        "(%s); training on them", n, self.config.batch_size, len(parts),
+                        limit)
         self.parts[id(batch)] = parts
         return batch
 

@@ -7,7 +7,9 @@
   reads the same batches.
 * :class:`SFTBatches`: supervised examples (messages or groups), already as tensors.
 
-The loop calls ``next()`` for a batch, ``finish(batch)`` on rank 0 once the step is done,
+The loop calls ``next(since)`` for a batch (``since``: when it began waiting for a
+trainable one; with ``max_batch_wait_s`` the rollout API's source raises
+:class:`BatchWaitExceeded` on every rank once that wait is too long), ``finish(batch)`` on rank 0 once the step is done,
 ``publish_version(v)`` after new weights reach vLLM, and ``close()`` at the end.
 ``position`` is what a checkpoint records to resume the data where it stopped.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,10 +46,20 @@ class Batch:
     """Metrics of how the batch was made (e.g. dynamic sampling), logged with the step."""
 
 
+class BatchWaitExceeded(Exception):
+    """No batch came within ``max_batch_wait_s``; raised on every rank together."""
+
+    def __init__(self, waited_s: float, reason: str | None = None):
+        super().__init__(waited_s, reason)
+        self.waited_s = waited_s
+        self.reason = reason
+        """The rollout API's last word on why it had no batch."""
+
+
 class BatchSource(Protocol):
     position: int
 
-    async def next(self) -> Batch: ...
+    async def next(self, since: float | None = None) -> Batch: ...
 
     async def finish(self, batch: Batch) -> None: ...
 
@@ -84,7 +97,7 @@ class JSONLBatches(_Offline):
         self.batch_size = batch_size
         self.position = 0
 
-    async def next(self) -> Batch:
+    async def next(self, since: float | None = None) -> Batch:
         groups, n = [], 0
         while True:
             group = self.groups[self.position % len(self.groups)]
@@ -108,7 +121,7 @@ class SFTBatches(_Offline):
         self.pad_id = pad_id
         self.position = 0
 
-    async def next(self) -> Batch:
+    async def next(self, since: float | None = None) -> Batch:
         chosen = [self.examples[(self.position + i) % len(self.examples)]
                   for i in range(self.batch_size)]
         self.position += self.batch_size
@@ -125,27 +138,56 @@ class APIBatches:
         self.client = RolloutAPIClient(config.api_url, config.api_token)
         self.config = config
         self.rank, self.world = rank, world
+        self.envs_since: float | None = None
+        """When this trainer first saw an env server registered with the API (the
+        ``max_batch_wait_s`` clock runs from then at the earliest)."""
+        self._envs_asked = float("-inf")
 
     async def register(self) -> None:
         if self.rank == 0:
             await self.client.register_trainer(batch_size=self.config.batch_size,
                                                max_token_len=self.config.max_token_length)
 
-    async def _lease(self) -> Batch:
+    async def _counted_from(self, since: float, now: float) -> float:
+        """Where the ``max_batch_wait_s`` clock starts: ``since``, or later while no env
+        server has registered with the API yet (asked at most once a second)."""
+        if self.envs_since is None and now - self._envs_asked >= 1.0:
+            self._envs_asked = now
+            counters = (await self.client.status()).get("counters") or {}
+            if counters.get("env_registrations", 0) > 0:
+                self.envs_since = now
+        return max(since, now if self.envs_since is None else self.envs_since)
+
+    async def _lease(self, since: float | None = None) -> Batch:
+        since = time.monotonic() if since is None else since
+        limit = self.config.max_batch_wait_s
         while True:
             leased = await self.client.lease(self.config.batch_size)
             if leased is not None:
                 for rejected in leased.rejected:
                     log.error("setting aside %s", rejected)
                 return Batch(leased.groups, leased.lease_id, leased.rejected)
+            if limit is not None:
+                now = time.monotonic()
+                waited = now - await self._counted_from(since, now)
+                if waited >= limit:
+                    raise BatchWaitExceeded(waited)
             await asyncio.sleep(self.config.lease_poll_s)
 
-    async def next(self) -> Batch:
-        batch = await self._lease() if self.rank == 0 else None
+    async def next(self, since: float | None = None) -> Batch:
+        """Rank 0 leases (or gives up after ``max_batch_wait_s``) and tells the others."""
+        batch: Batch | BatchWaitExceeded | None = None
+        if self.rank == 0:
+            try:
+                batch = await self._lease(since)
+            except BatchWaitExceeded as error:
+                batch = error
         if self.world > 1:
             shared = [batch]
             dist.broadcast_object_list(shared, src=0)
             batch = shared[0]
+        if isinstance(batch, BatchWaitExceeded):
+            raise batch
         return batch
 
     async def finish(self, batch: Batch) -> None:

@@ -63,9 +63,9 @@ from trainer.logprobs import (
 )
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
-from trainer.metrics import Metrics, Progress
+from trainer.metrics import Metrics, Progress, stopped_early_text, write_stopped_early
 from trainer.shaping import shape_rewards, trains_on, with_dynamic_sampling
-from trainer.sources import Batch, open_source
+from trainer.sources import Batch, BatchWaitExceeded, open_source
 from trainer.vllm_sync import PolicyServers, sharded_sync_check
 
 log = logging.getLogger("lachesis.train")
@@ -315,11 +315,14 @@ async def trainable_batch(source, config: TrainConfig, vocab_size: int, pad_id: 
     """The next batch with something to train on, checked and with advantages. A batch
     whose groups were all set aside (or all dropped) is acknowledged (its bad groups as
     dead letters) and skipped; after ``max_untrainable_batches`` of them in a row,
-    :class:`NothingToTrain` names how many groups there were and why."""
+    :class:`NothingToTrain` names how many groups there were and why. With
+    ``max_batch_wait_s``, the source raises :class:`BatchWaitExceeded` (on every rank)
+    once that long has passed since this call began without a trainable batch."""
     reasons: dict[str, int] = {}
     groups = 0
+    since = time.monotonic()
     for _ in range(config.max_untrainable_batches):
-        batch = await source.next()
+        batch = await source.next(since)
         if batch.tensors is not None:
             return batch, batch.tensors, {}
         tensors, stats = batch_tensors(batch, config, vocab_size, pad_id)
@@ -359,6 +362,38 @@ sequence 1: ``), dropped to count the reasons."""
 # --------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------
+async def end_early(stopped: BatchWaitExceeded, step: int, *, model, optimizer, tokenizer,
+                    source, servers: PolicyServers | None, config: TrainConfig, trained: bool,
+                    serves: bool, sharded: bool, leader: bool) -> dict[str, Any]:
+    """Training ends after ``step`` (every rank together): no trainable batch came for
+    ``max_batch_wait_s``. What the last step of a full run writes is written now, where
+    step ``step`` has not already: its weights synced into vLLM (and its version posted)
+    and its checkpoint. Then the warning and ``stopped_early.json``; returns the record."""
+    syncs = serves and trained and step % config.sync_every != 0
+    checkpoints = trained and step % config.checkpoint_every != 0
+    weights = full_state_dict(model, sharded) if sharded and (syncs or checkpoints) else None
+    optim = optimizer_state(model, optimizer, sharded) if checkpoints else None
+    record = {"step": step, "steps": config.steps, "waited_s": round(stopped.waited_s, 1),
+              "max_batch_wait_s": config.max_batch_wait_s}
+    if not leader:
+        return record
+    if syncs and servers is not None:
+        await servers.publish(model, tokenizer, step, weights)
+        await source.publish_version(step, servers.model_name)
+    if checkpoints:
+        save_checkpoint(config.run_dir, step, model, optim, tokenizer, source.position,
+                        weights)
+    log.warning(
+        "%s (max_batch_wait_s %g). Likely cause: every group the env servers sampled "
+        "scored equal and was dropped there (keep_equal_score_groups: false, the "
+        "default), as when the policy has collapsed; or the env servers produce nothing "
+        "(see their logs). Training ends here as a normal end, with %s",
+        stopped_early_text(record), config.max_batch_wait_s,
+        f"step {step}'s weights" if step else "the starting weights")
+    write_stopped_early(config.run_dir, record)
+    return record
+
+
 async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -418,7 +453,10 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     metrics = Metrics(run_dir, config.tensorboard, config.wandb,
                       config.model_dump(mode="json")) if leader else None
     progress = Progress(start_step, config.steps) if leader else None
+    if leader:
+        write_stopped_early(run_dir, None)  # an earlier attempt's
     summary: dict[str, Any] = {"start_step": start_step}
+    stopped: BatchWaitExceeded | None = None
     try:
         if servers is not None:
             await servers.start()
@@ -426,8 +464,12 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
             started = time.monotonic()
             # 1-2. a batch, checked, with advantages (bad groups set aside); a batch with
             # nothing to train on is acknowledged and is not a step
-            batch, tensors, stats = await trainable_batch(source, config, vocab_size, pad_id,
-                                                          leader)
+            try:
+                batch, tensors, stats = await trainable_batch(source, config, vocab_size,
+                                                              pad_id, leader)
+            except BatchWaitExceeded as error:  # max_batch_wait_s: a normal end, early
+                stopped = error
+                break
             # 3. step 0: the trainer's logprobs must be vLLM's
             if step == start_step == 0 and config.check_alignment and rl \
                     and tensors is not None:
@@ -492,6 +534,11 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                 save_checkpoint(run_dir, version, model, optim, tokenizer, source.position,
                                 weights)
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})
+        if stopped is not None:
+            summary["stopped_early"] = await end_early(
+                stopped, step, model=model, optimizer=optimizer, tokenizer=tokenizer,
+                source=source, servers=servers, config=config, trained=step > start_step,
+                serves=serves, sharded=sharded, leader=leader)
     finally:
         if progress is not None:
             progress.close()

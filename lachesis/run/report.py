@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainer.metrics import stopped_early_text
+
 # (metric in the evaluation result, label); env-specific metrics come after these.
 _ROWS = [("tool_success", "tool-call success"), ("correct", "answer accuracy"),
          ("mean_outcome", "mean reward (outcome)"), ("tool_errors_per_episode", "tool errors / episode"),
@@ -76,6 +78,10 @@ def reward_curve(metrics_path: Path, out: Path, title: str) -> Path | None:
 def write_summary(run_dir: Path, summary: dict[str, Any], metrics_path: Path) -> dict[str, Any]:
     written: dict[str, Any] = {}
     parts = [f"# Run {run_dir.name}", ""]
+    if summary.get("stopped_early"):
+        parts += [f"**{stopped_early_text(summary['stopped_early'])}** "
+                  "(`train.max_batch_wait_s`; the trainer's log says why). The \"after\" "
+                  "column evaluates the weights of that step.", ""]
     if "before" in summary and "after" in summary:
         written["table"] = before_after_table(summary["before"], summary["after"])
         parts.append(written["table"])

@@ -55,6 +55,7 @@ from lachesis.run.processes import (
     kill_leftovers,
 )
 from lachesis.run.progress import RunProgress, last_metrics
+from trainer.metrics import read_stopped_early, stopped_early_text
 from lachesis.run.ray_cluster import PlacementFailed, RayPlacement, RayUnavailable
 
 log = logging.getLogger("lachesis.run")
@@ -354,8 +355,15 @@ class Supervisor:
             self.check_alive(*ranks)
             for rank in ranks:
                 self.children.remove(rank)
+            stopped = read_stopped_early(train_dir)
+            if stopped is not None:  # max_batch_wait_s: the run goes on as after a full one
+                summary["stopped_early"] = stopped
+                progress.phase = "stopped early"
             progress.update(last_metrics(train_dir / "metrics.jsonl"),
                             _get_json(api_url + "/status"))
+            if stopped is not None:
+                self.say(stopped_early_text(stopped) + " (max_batch_wait_s; the trainer's "
+                         "log says why); evaluating its last weights")
             self.progress = None
         for child in [c for c in self.children if c.name.startswith("env-")]:
             child.stop()  # no more rollouts: vLLM now serves the final weights
@@ -429,6 +437,8 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
     try:
         summary = supervisor.run()
         print(summary.get("table", ""), flush=True)
+        if summary.get("stopped_early"):
+            print(stopped_early_text(summary["stopped_early"]), flush=True)
         print(f"run directory: {run_dir}", flush=True)
         return 0
     except (RunFailed, PlacementFailed) as error:
