@@ -411,3 +411,63 @@ def test_an_atropos_env_runs_under_lachesis_run(tiny_model_dir, tmp_path):
                 db.execute("SELECT record FROM envs")}
         trained = db.execute("SELECT count(*) FROM groups WHERE state = 'done'").fetchone()[0]
     assert envs == {"letter_e_atropos"} and trained == 4
+
+
+COLLAPSING_ENV = """
+from environments import BaseEnv
+
+
+class CollapsingEnv(BaseEnv):
+    \"\"\"Its first 2 items score each sample by its share of 'e' (and length); every later
+    item scores 0 for every sample, as a collapsed policy's groups do.\"\"\"
+
+    name = "collapsing"
+    drawn = 0
+
+    async def get_next_item(self):
+        self.drawn += 1
+        return {"id": f"e{self.drawn}", "n": self.drawn, "question": "Write many e letters."}
+
+    def prompt_messages(self, item):
+        return [{"role": "user", "content": item["question"]}]
+
+    def compute_reward(self, item, rollout):
+        if item["n"] > 2:
+            return 0.0
+        text = rollout.final_text
+        return text.count("e") / max(1, len(text)) + 0.01 * len(text)
+"""
+
+
+def test_a_run_whose_groups_all_score_equal_stops_training_early_and_still_evaluates(
+        tiny_model_dir, tmp_path):
+    """After step 1 every group scores equal and its env server drops it, so no batch
+    comes again: ``max_batch_wait_s`` later the trainer ends with step 1's weights, and
+    the run goes on as after a full one (env server stopped, "after" evaluation, summary)
+    and says it stopped early."""
+    env_file = tmp_path / "collapsing.py"
+    env_file.write_text(COLLAPSING_ENV)
+    config = write_config(
+        tmp_path, tiny_model_dir, "collapse", warm_start=None,
+        envs=[{"name": f"{env_file}:CollapsingEnv", "settings": {
+            "group_size": 4, "max_turns": 1, "max_tokens_per_turn": 16, "eval_items": 2,
+            "keep_equal_score_groups": False}}],
+        train={**SHORT_RUN["train"], "steps": 3, "max_batch_wait_s": 8})
+    run = start_run(config)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "runs" / "collapse"
+    assert processes_of_run(run_id(run_dir)) == []
+    metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = summary["stopped_early"]
+    assert (stopped["step"], stopped["steps"]) == (1, 3) and stopped["waited_s"] >= 8
+    assert {"before", "after"} <= set(summary)
+    assert (run_dir / "logs" / "eval-after-collapsing.py_CollapsingEnv.log").exists()
+    said = f"training stopped early at step 1 of 3: no trainable batch for " \
+           f"{stopped['waited_s']:.0f} s"
+    assert said in out and said in (run_dir / "summary.md").read_text()
+    assert "scored equal and was dropped there" in \
+        (run_dir / "logs" / "trainer.log").read_text()
+    assert (run_dir / "trainer" / "checkpoints" / "step_000001").is_dir()  # the end's

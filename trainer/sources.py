@@ -9,7 +9,8 @@
 
 The loop calls ``next(since)`` for a batch (``since``: when it began waiting for a
 trainable one; with ``max_batch_wait_s`` the rollout API's source raises
-:class:`BatchWaitExceeded` on every rank once that wait is too long), ``finish(batch)`` on rank 0 once the step is done,
+:class:`BatchWaitExceeded` on every rank once that wait is too long), ``finish(batch)``
+on rank 0 once the step is done,
 ``publish_version(v)`` after new weights reach vLLM, and ``close()`` at the end.
 ``position`` is what a checkpoint records to resume the data where it stopped.
 """
