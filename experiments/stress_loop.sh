@@ -2,13 +2,16 @@
 # The stress study's background loop (docs/study-stress.md, "Running it"): the next cell
 # under the heavy-work lock at nice 15, then that cell's files (and the manifest) copied
 # into MAIN and committed there under the merge lock, then 20 s for other heavy work to
-# take the lock. Stops when the grid is done, when a cell is stopped (SIGTERM, Ctrl-C), or
-# after 6 crashes of the runner in a row (10 minutes apart); waits while the venv is rebuilt.
+# take the lock. Polite: before a cell it waits while another heavy job has asked for the
+# lock (a file in /tmp/lachesis-heavy-wanted/) and takes the lock only when it is free.
+# Stops when the grid is done, when a cell is stopped (SIGTERM, Ctrl-C), or after 6
+# crashes of the runner in a row (10 minutes apart); waits while the venv is rebuilt.
 #
-#   STUDY  a worktree pinned at the registration commit, with .venv: the runs use its code
+#   STUDY  a worktree pinned at the study's commit (f7c080d since deviation 1), with .venv:
+#          the runs use its code; run this file from MAIN (the pinned copy is older)
 #   MAIN   the repository whose checked-out branch gets the results (never anything else)
 #
-#   STUDY=/work/wt/study MAIN=/work/main setsid nohup sh experiments/stress_loop.sh \
+#   STUDY=/work/wt/study2 MAIN=/work/main setsid nohup sh /work/main/experiments/stress_loop.sh \
 #       > /work/wt/study-runner.log 2>&1 &
 set -u
 STUDY=$(cd "${STUDY:?STUDY: the pinned study worktree}" && pwd)
@@ -28,8 +31,14 @@ tries=0
 while :; do
     # the shared venv may be rebuilt by other work (make install): wait for it
     while [ ! -e .venv/.installed ]; do sleep 60; done
-    flock "$LOCK" nice -n 15 .venv/bin/python experiments/stress.py --one
-    rc=$?
+    # polite: wait while other heavy work has asked for the lock; take it only when free
+    while :; do
+        while [ -n "$(ls -A /tmp/lachesis-heavy-wanted 2>/dev/null)" ]; do sleep 15; done
+        flock -n -E 75 "$LOCK" nice -n 15 .venv/bin/python experiments/stress.py --one
+        rc=$?
+        [ "$rc" -eq 75 ] || break
+        sleep 15
+    done
     if [ "$rc" -eq 130 ] || [ "$rc" -eq 143 ]; then
         echo "stress loop: the cell was stopped (exit $rc); stopping ($(date -u +%FT%TZ))"
         exit "$rc"
