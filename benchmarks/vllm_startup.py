@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -27,26 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from environments.inference.vllm_process import VLLMProcess  # noqa: E402
+from rollout_overhead import _tree_cpu_seconds  # noqa: E402  (this script's folder)
 
 MODES = {"spawn": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, "fork": {}}
 """``spawn`` in the environment keeps vLLM's own choice (environments/inference/vllm_serve.py)."""
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system, the reaped children's included) of a process group's
-    live processes."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += sum(int(f) for f in fields[11:15])
-    return total / TICK
 
 
 async def completions(url: str, n: int, max_tokens: int) -> tuple[float, list[str]]:
@@ -77,7 +60,7 @@ def one_start(model: Path, mode: str, log_dir: Path) -> dict:
         ready_s = time.monotonic() - start
         asyncio.run(completions(server.url, 1, 1))
         first_s = time.monotonic() - start
-        cpu_s = group_cpu_s(server.proc.pid)
+        cpu_s = _tree_cpu_seconds(server.proc.pid)
         batches = [asyncio.run(completions(server.url, 64, 128)) for _ in range(3)]
         tokens_per_s, texts = statistics.median(b[0] for b in batches), batches[0][1]
     finally:
