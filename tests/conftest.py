@@ -175,3 +175,9 @@ def pytest_collection_modifyitems(config, items):
             # suite's model, a Ray cluster): shares none of the session's servers, docker
             # or Chromium, so `make test` runs these in a session beside the others
             item.add_marker(_pytest.mark.system)
+
+
+def pytest_configure(config):
+    import cpu_cost
+
+    cpu_cost.register(config)

@@ -1,0 +1,69 @@
+"""The CPU each test costs, printed at the end of a session beside pytest's durations.
+
+On two cores `make test` runs three pytest sessions side by side, so a test's wall time
+says little about what it costs the others: its CPU does. A test's CPU is that of the
+pytest process and of every process it started and reaped (a vLLM server, a `lachesis
+run`, a torchrun rank) over its set-up, call and tear-down; what the session's shared
+servers cost shows up where they stop (the session's end). Loaded by tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+SHOWN = 15
+
+
+def _cpu_seconds() -> float:
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+class CPUCost:
+    def __init__(self) -> None:
+        self.start = _cpu_seconds()
+        self.by_test: dict[str, float] = {}
+
+    def _add(self, nodeid: str, before: float) -> None:
+        self.by_test[nodeid] = self.by_test.get(nodeid, 0.0) + _cpu_seconds() - before
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        before = _cpu_seconds()
+        yield
+        self._add(item.nodeid, before)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        before = _cpu_seconds()
+        yield
+        self._add(item.nodeid, before)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        before = _cpu_seconds()
+        yield
+        if nextitem is not None:  # the last test's tear-down stops the session's servers
+            self._add(item.nodeid, before)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.by_test:
+            return
+        total = _cpu_seconds() - self.start
+        write = terminalreporter.write_line
+        terminalreporter.section(f"most CPU ({SHOWN}): the test's process and the ones it reaped")
+        for nodeid, seconds in sorted(self.by_test.items(), key=lambda kv: -kv[1])[:SHOWN]:
+            write(f"{seconds:8.2f}s cpu  {nodeid}")
+        in_tests = sum(self.by_test.values())
+        write(f"session CPU {total:.0f} s: {in_tests:.0f} s in {len(self.by_test)} tests, "
+              f"{total - in_tests:.0f} s outside them (collection, the session's shared "
+              "servers)")
+
+
+def register(config) -> None:
+    config.pluginmanager.register(CPUCost(), "lachesis-cpu-cost")
