@@ -3,21 +3,49 @@
 On two cores `make test` runs three pytest sessions side by side, so a test's wall time
 says little about what it costs the others: its CPU does. A test's CPU is that of the
 pytest process and of every process it started and reaped (a vLLM server, a `lachesis
-run`, a torchrun rank) over its set-up, call and tear-down; what the session's shared
-servers cost shows up where they stop (the session's end). Loaded by tests/conftest.py.
+run`, a torchrun rank) over its set-up, call and tear-down, and what the processes still
+running under pytest (the session's shared vLLM servers) spent meanwhile: the requests a
+test sends them count as its own. Loaded by tests/conftest.py.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import resource
+from pathlib import Path
 
 import pytest
 
 SHOWN = 15
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _running_descendants_cpu() -> float:
+    """CPU of the processes under pytest that are still running (and of the ones they
+    reaped): what pytest's own accounting gets only when they end."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            # utime, stime, and the same of the children it reaped
+            cpu[int(entry)] = sum(int(f) for f in fields[11:15]) / TICK
+    total, stack = 0.0, list(children.get(os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        total += cpu.get(pid, 0.0)
+        stack += children.get(pid, [])
+    return total
 
 
 def _cpu_seconds() -> float:
-    total = 0.0
+    total = _running_descendants_cpu()
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
@@ -59,10 +87,12 @@ class CPUCost:
         terminalreporter.section(f"most CPU ({SHOWN}): the test's process and the ones it reaped")
         for nodeid, seconds in sorted(self.by_test.items(), key=lambda kv: -kv[1])[:SHOWN]:
             write(f"{seconds:8.2f}s cpu  {nodeid}")
+        if os.environ.get("LACHESIS_TEST_CPU_DIR"):  # every test's, for a closer look
+            Path(os.environ["LACHESIS_TEST_CPU_DIR"], f"cpu-{os.getpid()}.json").write_text(
+                json.dumps(self.by_test, indent=1))
         in_tests = sum(self.by_test.values())
         write(f"session CPU {total:.0f} s: {in_tests:.0f} s in {len(self.by_test)} tests, "
-              f"{total - in_tests:.0f} s outside them (collection, the session's shared "
-              "servers)")
+              f"{total - in_tests:.0f} s outside them (collection, the session's end)")
 
 
 def register(config) -> None:

@@ -263,7 +263,9 @@ def test_retried_push_with_the_same_group_id_is_a_no_op():
 
 def test_unacknowledged_lease_is_redelivered_after_the_timeout():
     async def scenario():
-        async with running_api(lease_timeout_s=0.5) as (url, api), RolloutAPIClient(url) as client:
+        # (3 s: the redelivered lease must still be live when it is handed back below,
+        # which a loaded 2-core machine took longer than 0.5 s to get to)
+        async with running_api(lease_timeout_s=3.0) as (url, api), RolloutAPIClient(url) as client:
             await client.register_trainer(batch_size=4, max_token_len=64)
             ids = [f"g{i}" for i in range(4)]
             for gid in ids:
@@ -274,7 +276,7 @@ def test_unacknowledged_lease_is_redelivered_after_the_timeout():
             await client.ack(second.lease_id)
             await client.ack(second.lease_id)  # a retried ack is fine
             assert await client.lease() is None
-            await asyncio.sleep(1.0)  # the first trainer died: its lease expires
+            await asyncio.sleep(3.5)  # the first trainer died: its lease expires
             again = await client.lease()
             assert [g.group_id for g in again.groups] == ids[:2]  # back, in order
             with pytest.raises(APIRequestError) as error:

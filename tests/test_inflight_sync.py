@@ -30,7 +30,7 @@ from trainer.vllm_busy import BusySampler
 from trainer.vllm_sync import VLLMWeightSync
 from vllm_fixture import reload_original
 
-LONG = 2000
+LONG = 1000
 """Tokens of the long turn: several seconds of generation on the tiny model here."""
 
 
