@@ -19,6 +19,15 @@ from environments.api.schemas import APIConfig
 from environments.api.server import API_KEY, build_app
 from environments.trajectory import ScoredGroup, ScoredTrajectory
 
+# One OpenMP thread per process unless the caller says otherwise, set before anything
+# imports torch (nothing above does). `make test` runs three sessions side by side on two
+# cores and many tests start processes of their own: torch's second intra-op thread then
+# mostly spins waiting for a core. Measured on the 2-core machine, beside a suite run, the
+# unit tests of test_packing.py and test_losses.py: 42 s of CPU with 2 threads, 7 s with
+# 1. The tests check behaviour, not thread counts (test_layout.py sets what its thread
+# checks read). vLLM's CPU workers pin their own (one thread on two cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 
 
