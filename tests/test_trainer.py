@@ -166,10 +166,18 @@ def test_masked_tokens_get_no_gradient(vllm_server, rollouts):
     assert (grad[~predicts_trained] == 0).all() and (grad[predicts_trained] > 0).all()
 
 
+@pytest.fixture(scope="module")
+def single_process_steps():
+    """The one-process step each two-process variant is compared with, by its arguments
+    (full weights: one for the replicas, FSDP and FSDP with checkpointing), run once."""
+    return {}
+
+
 @pytest.mark.parametrize("sharding,lora", [("replicate", False), ("fsdp", False),
                                            ("fsdp+checkpointing", False), ("replicate", True)])
 def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollouts, tmp_path,
-                                                              sharding, lora):
+                                                              single_process_steps, sharding,
+                                                              lora):
     """torchrun, 2 CPU processes (gloo), full replicas or FSDP2 shards (with activation
     checkpointing too), or a LoRA adapter: the weights after a step equal one process's
     (the batch of 7 leaves rank 1 a row short; packed micro-batches of at most 100 tokens).
@@ -191,10 +199,13 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
               # Adam's first step is ~lr * sign(g): where g ~ 0 it turns float summation-order
               # noise into lr-sized differences. A large eps keeps the step linear in g there.
               "--adam-eps", "1e-3", *(["--lora", "{rank: 8, alpha: 16}"] if lora else [])]
-    single = subprocess.run([sys.executable, "-m", "lachesis.cli", "train", *common,
-                             "--run-dir", str(tmp_path / "single")],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr[-2000:]
+    key = "lora" if lora else "full"  # (the rest of `common` is the same for every variant)
+    if key not in single_process_steps:
+        single = subprocess.run([sys.executable, "-m", "lachesis.cli", "train", *common,
+                                 "--run-dir", str(tmp_path / "single")],
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert single.returncode == 0, single.stderr[-2000:]
+        single_process_steps[key] = tmp_path / "single"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--standalone", "-m", "lachesis.cli", "train"]
     extra = ["--activation-checkpointing", "true"] if "checkpointing" in sharding else []
@@ -213,7 +224,7 @@ def test_two_process_data_parallel_step_equals_single_process(vllm_server, rollo
         metrics = json.loads((tmp_path / "double/metrics.jsonl").read_text().splitlines()[0])
         assert metrics["sync_check_mean_abs_diff"] < 1e-3
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
-    a = load_file(tmp_path / "single/checkpoints/step_000001" / weights)
+    a = load_file(single_process_steps[key] / "checkpoints/step_000001" / weights)
     b = load_file(tmp_path / "double/checkpoints/step_000001" / weights)
     if lora:  # only the adapter trained; B starts at zero
         assert all("lora_" in k for k in a)
