@@ -46,36 +46,30 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The suite without the tests marked slow (pytest.ini markers), which `test-all` adds, as
-# four pytest sessions at once (markers set in tests/conftest.py), each a part of the
-# suite: the `unit` tests (they start none of vLLM, docker, Chromium, Ray); the `system`
-# tests (each starts a whole system of its own: a `lachesis run`, its own vLLM server);
-# the tests of the docker daemon, Chromium and Ray clusters, which sit mostly waiting on
-# those; and the other heavy tests, one at a time because they share the session's vLLM
-# servers. The last one's progress shows as it runs, then each session's report with its
-# 15 slowest tests and the tests that cost the most CPU. `make test` fails if any fails
-# (pytest's 5, no test selected, is no failure). `make test-serial`: the same tests in one
-# session. TESTS=paths narrows either.
+# three pytest sessions at once (markers set in tests/conftest.py): the `unit` tests (they
+# start none of vLLM, docker, Chromium, Ray), the `system` tests (each starts a whole system
+# of its own: a `lachesis run`, its own vLLM server, a Ray cluster), and the other heavy
+# tests, which run one at a time in one session because they share its vLLM servers, the
+# docker daemon and Chromium. Heavy tests wait on their servers much of the time, so the
+# three fill the two cores; the last one's progress shows as it runs, then each session's
+# report with its 15 slowest tests. `make test` fails if any fails (pytest's 5, no test
+# selected, is no failure). `make test-serial`: the same tests in one session. TESTS=paths
+# narrows either.
 TESTS ?=
-SESSION_UNIT = unit and not slow
-SESSION_SYSTEM = system and not ray and not slow
-SESSION_DAEMONS = not unit and (docker or chromium or ray) and not slow
-SESSION_HEAVY = not unit and not system and not docker and not chromium and not slow
 test: install
-	@logs=$$(mktemp -d); \
-	for part in unit system daemons; do \
-	    case $$part in unit) m="$(SESSION_UNIT)";; system) m="$(SESSION_SYSTEM)";; \
-	        daemons) m="$(SESSION_DAEMONS)";; esac; \
-	    $(PY) -m pytest -q -m "$$m" -p no:cacheprovider --durations=15 $(TESTS) \
-	        > $$logs/$$part.log 2>&1 & echo $$! > $$logs/$$part.pid; \
-	done; \
-	$(PY) -m pytest -q -m "$(SESSION_HEAVY)" --durations=15 $(TESTS); heavy=$$?; \
-	codes="heavy tests exit $$heavy"; ok=1; case $$heavy in 0|5) ;; *) ok=0 ;; esac; \
-	for part in system daemons unit; do \
-	    wait $$(cat $$logs/$$part.pid); rc=$$?; \
-	    echo "==== the $$part session, run beside the above ===="; cat $$logs/$$part.log; \
-	    codes="$$codes, $$part exit $$rc"; case $$rc in 0|5) ;; *) ok=0 ;; esac; \
-	done; \
-	rm -rf $$logs; echo "make test: $$codes"; [ $$ok = 1 ]
+	@unit_log=$$(mktemp); system_log=$$(mktemp); \
+	$(PY) -m pytest -q -m "unit and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
+	    > $$unit_log 2>&1 & unit=$$!; \
+	$(PY) -m pytest -q -m "system and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
+	    > $$system_log 2>&1 & system=$$!; \
+	$(PY) -m pytest -q -m "not unit and not system and not slow" --durations=15 $(TESTS); \
+	heavy=$$?; \
+	wait $$system; system_rc=$$?; wait $$unit; unit_rc=$$?; \
+	echo "==== the system tests (-m system), run beside the above ===="; cat $$system_log; \
+	echo "==== the unit tests (-m unit), run beside the above ===="; cat $$unit_log; \
+	rm -f $$unit_log $$system_log; \
+	echo "make test: heavy tests exit $$heavy, system tests exit $$system_rc, unit tests exit $$unit_rc"; \
+	case "$$heavy $$system_rc $$unit_rc" in [05]\ [05]\ [05]) ;; *) exit 1 ;; esac
 
 test-serial: install
 	$(PY) -m pytest -q -m "not slow" --durations=15 $(TESTS)

@@ -20,7 +20,7 @@ from environments.api.server import API_KEY, build_app
 from environments.trajectory import ScoredGroup, ScoredTrajectory
 
 # One OpenMP thread per process unless the caller says otherwise, set before anything
-# imports torch (nothing above does). `make test` runs four sessions side by side on two
+# imports torch (nothing above does). `make test` runs three sessions side by side on two
 # cores and many tests start processes of their own: torch's second intra-op thread then
 # mostly spins waiting for a core. Measured on the 2-core machine, beside a suite run, the
 # unit tests of test_packing.py and test_losses.py: 42 s of CPU with 2 threads, 7 s with

@@ -1,6 +1,6 @@
 """The CPU each test costs, printed at the end of a session beside pytest's durations.
 
-On two cores `make test` runs four pytest sessions side by side, so a test's wall time
+On two cores `make test` runs three pytest sessions side by side, so a test's wall time
 says little about what it costs the others: its CPU does. A test's CPU is that of the
 pytest process and of every process it started and reaped (a vLLM server, a `lachesis
 run`, a torchrun rank) over its set-up, call and tear-down, and what the processes still
