@@ -87,6 +87,7 @@ from environments.inference.tool_parsers import (  # noqa: E402
     register_parser,
 )
 from environments.inference.vllm_process import VLLMProcess  # noqa: E402
+from lachesis.run.processes import tree_cpu_seconds  # noqa: E402
 
 TARGET_RATIO = 0.90
 SERVED_NAME = "tiny"
@@ -232,32 +233,6 @@ def sampling_params(args: argparse.Namespace, eos_token_id: int) -> dict[str, An
             "logit_bias": {str(eos_token_id): EOS_BIAS}}
 
 
-def _tree_cpu_seconds(root_pid: int) -> float:
-    """utime + stime of ``root_pid`` and its descendants (Linux /proc; 0.0 elsewhere)."""
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        children: dict[int, list[int]] = {}
-        cpu: dict[int, float] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            children.setdefault(int(fields[1]), []).append(int(entry))
-            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    except (OSError, ValueError):
-        return 0.0
-    total, stack = 0.0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        total += cpu.get(pid, 0.0)
-        stack += children.get(pid, [])
-    return total
-
-
 class CPUClock:
     """CPU seconds used by this process and by the vLLM server's process tree."""
 
@@ -265,7 +240,7 @@ class CPUClock:
         self.server_pid = server_pid
 
     def read(self) -> tuple[float, float, float]:
-        return time.process_time(), _tree_cpu_seconds(self.server_pid), _machine_busy_seconds()
+        return time.process_time(), tree_cpu_seconds(self.server_pid), _machine_busy_seconds()
 
     def since(self, before: tuple[float, float, float]) -> dict[str, float]:
         client, server, machine = (b - a for a, b in zip(before, self.read()))

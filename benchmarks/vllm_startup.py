@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from environments.inference.vllm_process import VLLMProcess  # noqa: E402
-from rollout_overhead import _tree_cpu_seconds  # noqa: E402  (this script's folder)
+from lachesis.run.processes import tree_cpu_seconds  # noqa: E402
 
 MODES = {"spawn": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, "fork": {}}
 """``spawn`` in the environment keeps vLLM's own choice (environments/inference/vllm_serve.py)."""
@@ -60,7 +60,7 @@ def one_start(model: Path, mode: str, log_dir: Path) -> dict:
         ready_s = time.monotonic() - start
         asyncio.run(completions(server.url, 1, 1))
         first_s = time.monotonic() - start
-        cpu_s = _tree_cpu_seconds(server.proc.pid)
+        cpu_s = tree_cpu_seconds(server.proc.pid)
         batches = [asyncio.run(completions(server.url, 64, 128)) for _ in range(3)]
         tokens_per_s, texts = statistics.median(b[0] for b in batches), batches[0][1]
     finally:

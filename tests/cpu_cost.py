@@ -17,35 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from lachesis.run.processes import tree_cpu_seconds
+
 SHOWN = 15
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _running_descendants_cpu() -> float:
-    """CPU of the processes under pytest that are still running (and of the ones they
-    reaped): what pytest's own accounting gets only when they end."""
-    children: dict[int, list[int]] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            children.setdefault(int(fields[1]), []).append(int(entry))
-            # utime, stime, and the same of the children it reaped
-            cpu[int(entry)] = sum(int(f) for f in fields[11:15]) / TICK
-    total, stack = 0.0, list(children.get(os.getpid(), []))
-    while stack:
-        pid = stack.pop()
-        total += cpu.get(pid, 0.0)
-        stack += children.get(pid, [])
-    return total
 
 
 def _cpu_seconds() -> float:
-    total = _running_descendants_cpu()
+    # the processes still running under pytest, and what they reaped: what pytest's own
+    # accounting gets only when they end
+    total = tree_cpu_seconds(os.getpid(), include_root=False, reaped=True)
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
