@@ -36,28 +36,24 @@ class CPUCost:
     def __init__(self) -> None:
         self.start = _cpu_seconds()
         self.by_test: dict[str, float] = {}
-
-    def _add(self, nodeid: str, before: float) -> None:
-        self.by_test[nodeid] = self.by_test.get(nodeid, 0.0) + _cpu_seconds() - before
+        self.session_end = 0.0
 
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_setup(self, item):
+    def pytest_runtest_protocol(self, item, nextitem):
+        # (two reads of /proc per test: set-up, call and tear-down together)
         before = _cpu_seconds()
+        self.session_end = 0.0
         yield
-        self._add(item.nodeid, before)
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_call(self, item):
-        before = _cpu_seconds()
-        yield
-        self._add(item.nodeid, before)
+        self.by_test[item.nodeid] = _cpu_seconds() - before - self.session_end
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):
-        before = _cpu_seconds()
+        if nextitem is not None:
+            yield
+            return
+        before = _cpu_seconds()  # the last test's tear-down stops the session's servers
         yield
-        if nextitem is not None:  # the last test's tear-down stops the session's servers
-            self._add(item.nodeid, before)
+        self.session_end = _cpu_seconds() - before
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.by_test:

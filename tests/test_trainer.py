@@ -168,8 +168,8 @@ def test_masked_tokens_get_no_gradient(vllm_server, rollouts):
 
 @pytest.fixture(scope="module")
 def single_process_steps():
-    """The one-process step each two-process variant is compared with, by its arguments
-    (full weights: one for the replicas, FSDP and FSDP with checkpointing), run once."""
+    """The one-process step each two-process variant is compared with, run once per kind:
+    ``full`` (for the replicas, FSDP and FSDP with checkpointing) and ``lora``."""
     return {}
 
 
