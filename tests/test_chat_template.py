@@ -68,3 +68,66 @@ def test_template_without_eos_ended_turns_is_refused():
                                "{%- endfor %}")
     with pytest.raises(ChatTemplateError, match="eos token"):
         ChatRenderer(tokenizer)
+
+
+FINGERPRINT = """
+import hashlib, json, sys
+sys.path.insert(0, {repo!r})
+from environments.inference.chat_template import ChatRenderer
+from environments.inference.tokenizer import load_tokenizer
+
+def fingerprint(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    conversation = {conversation!r}
+    text = renderer.render(conversation, {tools!r}, add_generation_prompt=True)
+    return [type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer),
+            hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
+            sorted(tokenizer.all_special_tokens), tokenizer.chat_template, text,
+            renderer.encode(text), sorted(renderer.stop_token_ids), renderer.after_eos]
+"""
+
+
+def test_a_models_tokenizer_loads_as_autotokenizer_gives_it_and_after_the_first_without_torch(
+        tmp_path, monkeypatch):
+    """An env server, an evaluation, `lachesis env process` compute nothing with torch, yet
+    transformers 5's AutoTokenizer imports it (2.5 s of CPU a start). After one load of a
+    model directory, the tokenizer loads through the class AutoTokenizer chose: the same
+    tokenizer (vocabulary, special tokens, template, rendering and its ids, stop ids), in a
+    process that never imports torch. A changed tokenizer config is loaded afresh."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from environments.inference.tokenizer import generation_eos_ids, load_tokenizer
+    from lachesis.tiny_model import FAMILIES, make_tiny_model
+
+    monkeypatch.setenv("LACHESIS_CACHE", str(tmp_path / "cache"))
+    dirs = [make_tiny_model(tmp_path / family, family=family, tied=True)
+            for family in FAMILIES]
+    dirs.append(make_tiny_model(tmp_path / "arithmetic", tokenizer="arithmetic"))
+    code = FINGERPRINT.format(repo=str(REPO), conversation=HISTORY + RESULT, tools=TOOLS)
+    namespace: dict = {}
+    exec(code, namespace)
+    expected = [namespace["fingerprint"](AutoTokenizer.from_pretrained(str(d))) for d in dirs]
+    for d in dirs:  # the model's stop ids, read without GenerationConfig (torch)
+        eos = GenerationConfig.from_pretrained(d).eos_token_id
+        assert generation_eos_ids(str(d)) == ([eos] if isinstance(eos, int) else eos)
+    for d in dirs:  # the first load of each: AutoTokenizer's, recorded
+        assert namespace["fingerprint"](load_tokenizer(d)) == expected[dirs.index(d)]
+    assert len(list((tmp_path / "cache" / "tokenizer-classes").glob("*.json"))) == len(dirs)
+    later = code + "print(json.dumps([fingerprint(load_tokenizer(d)) for d in sys.argv[1:]]))" \
+        "\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", later, *map(str, dirs)], text=True,
+                            capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    fingerprints, torch_imported = result.stdout.strip().splitlines()
+    assert json.loads(fingerprints) == json.loads(json.dumps(expected))
+    assert torch_imported == "False"
+    # the tokenizer config changes: its class is decided again
+    config = dirs[0] / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 77}))
+    assert load_tokenizer(dirs[0]).model_max_length == 77
+    assert len(list((tmp_path / "cache" / "tokenizer-classes").glob("*.json"))) == len(dirs) + 1

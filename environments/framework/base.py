@@ -436,14 +436,13 @@ class BaseEnv:
         """Connect to inference (with vLLM: refuse token limits its servers cannot serve,
         :mod:`environments.framework.limits`), then call ``setup()``. If any of it fails,
         the env is closed again before the error is raised."""
-        from transformers import AutoTokenizer
-
         from environments.inference.chat_template import ChatRenderer
+        from environments.inference.tokenizer import load_tokenizer
 
         config = self.config
         if config.tokenizer is None and config.model is None:
             raise ValueError("set `tokenizer` (a HF tokenizer path or name) to render prompts")
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.renderer = ChatRenderer(tokenizer)
         try:
             await self._connect()

@@ -37,13 +37,9 @@ _ANCHOR_ASSISTANT = "\u2063anchor-assistant\u2063"
 
 def _generation_eos_ids(tokenizer: Any) -> list[int]:
     """The model's generation_config eos ids (vLLM stops on these too), when findable."""
-    try:
-        from transformers import GenerationConfig
+    from environments.inference.tokenizer import generation_eos_ids
 
-        eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
-    except (OSError, ValueError):
-        return []
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return generation_eos_ids(tokenizer.name_or_path)
 
 
 class ChatTemplateError(ValueError):

@@ -138,11 +138,13 @@ def tokenizer_problems(model: str, planned_model: str) -> list[str]:
     if not Path(model).exists():
         return []  # built or downloaded at start; nothing to read yet
     try:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
+
+        from environments.inference.tokenizer import load_tokenizer
     except ImportError:
         return []
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer(model)
         model_config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as error:
         return [f"model {model}: cannot read its tokenizer or config ({error})"]
