@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +30,12 @@ from environments.trajectory import ScoredGroup, ScoredTrajectory
 # 1. The tests check behaviour, not thread counts (test_layout.py sets what its thread
 # checks read). vLLM's CPU workers pin their own (one thread on two cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The tokenizer classes the session's processes record for the models the tests build
+# (environments/inference/tokenizer.py): in a directory of the session's, not the user's
+# cache, which would fill with records of deleted temporary models.
+_TOKENIZER_CLASSES = tempfile.mkdtemp(prefix="lachesis-tokenizer-classes-")
+atexit.register(shutil.rmtree, _TOKENIZER_CLASSES, ignore_errors=True)
+os.environ.setdefault("LACHESIS_TOKENIZER_CLASSES", _TOKENIZER_CLASSES)
 
 REPO = Path(__file__).resolve().parent.parent
 

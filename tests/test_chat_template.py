@@ -104,7 +104,7 @@ def test_a_models_tokenizer_loads_as_autotokenizer_gives_it_and_after_the_first_
     from environments.inference.tokenizer import generation_eos_ids, load_tokenizer
     from lachesis.tiny_model import FAMILIES, make_tiny_model
 
-    monkeypatch.setenv("LACHESIS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LACHESIS_TOKENIZER_CLASSES", str(tmp_path / "classes"))
     dirs = [make_tiny_model(tmp_path / family, family=family, tied=True)
             for family in FAMILIES]
     dirs.append(make_tiny_model(tmp_path / "arithmetic", tokenizer="arithmetic"))
@@ -117,7 +117,7 @@ def test_a_models_tokenizer_loads_as_autotokenizer_gives_it_and_after_the_first_
         assert generation_eos_ids(str(d)) == ([eos] if isinstance(eos, int) else eos)
     for d in dirs:  # the first load of each: AutoTokenizer's, recorded
         assert namespace["fingerprint"](load_tokenizer(d)) == expected[dirs.index(d)]
-    assert len(list((tmp_path / "cache" / "tokenizer-classes").glob("*.json"))) == len(dirs)
+    assert len(list((tmp_path / "classes").glob("*.json"))) == len(dirs)
     later = code + "print(json.dumps([fingerprint(load_tokenizer(d)) for d in sys.argv[1:]]))" \
         "\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", later, *map(str, dirs)], text=True,
@@ -130,4 +130,4 @@ def test_a_models_tokenizer_loads_as_autotokenizer_gives_it_and_after_the_first_
     config = dirs[0] / "tokenizer_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 77}))
     assert load_tokenizer(dirs[0]).model_max_length == 77
-    assert len(list((tmp_path / "cache" / "tokenizer-classes").glob("*.json"))) == len(dirs) + 1
+    assert len(list((tmp_path / "classes").glob("*.json"))) == len(dirs) + 1

@@ -29,10 +29,13 @@ VLLM_MAX_MODEL_LEN = 4096
 def tiny_model_dir(tmp_path_factory):
     """The tests' model: tiny Qwen2 with tied embeddings, as Qwen2.5 0.5B-3B have them (so
     every weight-sync test covers the tied output head)."""
+    from environments.inference.tokenizer import record_tokenizer_class
     from lachesis.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0,
-                           tied=True)
+    model = make_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0,
+                            tied=True)
+    record_tokenizer_class(model)  # as `lachesis run` does: env processes load it without torch
+    return model
 
 
 def _server_specs(model_dir, log_dir) -> dict:

@@ -13,8 +13,7 @@ directory call that class's ``from_pretrained`` as AutoTokenizer itself ends
 
 The record is keyed by the directory's real path, its file names, the contents of
 ``config.json`` and ``tokenizer_config.json`` (everything AutoTokenizer chooses the class
-by) and the transformers version; it lives in ``$LACHESIS_CACHE/tokenizer-classes``
-(default ``~/.cache/lachesis``). A hub name, a class from outside transformers (remote
+by) and the transformers version; it lives in :func:`cache_dir`. A hub name, a class from outside transformers (remote
 code) or a record that cannot be used is loaded through AutoTokenizer, as before.
 """
 
@@ -35,6 +34,10 @@ CLASS_FILES = ("config.json", "tokenizer_config.json")
 
 
 def cache_dir() -> Path:
+    """``$LACHESIS_TOKENIZER_CLASSES``, else ``tokenizer-classes`` in ``$LACHESIS_CACHE``
+    (default ``~/.cache/lachesis``)."""
+    if os.environ.get("LACHESIS_TOKENIZER_CLASSES"):
+        return Path(os.environ["LACHESIS_TOKENIZER_CLASSES"])
     root = os.environ.get("LACHESIS_CACHE") or Path.home() / ".cache" / "lachesis"
     return Path(root) / "tokenizer-classes"
 
@@ -89,6 +92,20 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
     if record is not None:
         _record(record, type(tokenizer))
     return tokenizer
+
+
+def record_tokenizer_class(name_or_path: str | os.PathLike) -> None:
+    """Record a local model directory's tokenizer class now, unless it is already: what
+    starts several processes that load it at once (``lachesis run`` its env servers and
+    evaluations) does, so that none of them imports torch. A tokenizer that does not load
+    is left for those processes to report."""
+    record = _record_path(Path(str(name_or_path)))
+    if record is None or record.exists():
+        return
+    try:
+        load_tokenizer(name_or_path)
+    except Exception:  # noqa: BLE001 - the processes that need it say what is wrong
+        return
 
 
 def generation_eos_ids(name_or_path: str) -> list[int]:

@@ -43,6 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from environments.inference.tokenizer import record_tokenizer_class
 from environments.settings import TOKEN_VARIABLE, bearer_headers, run_token
 from lachesis.run.config import RunConfig, write_yaml
 from lachesis.run.layout import (
@@ -413,6 +414,7 @@ class Supervisor:
         if self.ray_address is not None:
             self.placement = RayPlacement(config, self.run_id)
         model = self.prepare_model()
+        record_tokenizer_class(model)  # its env servers and evaluations start without torch
         phases["model (warm start)"] = lap()
         self.layout = layout = build_layout(config, model, self.placement)
         if isinstance(self.placement, RayPlacement):
