@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
+import secrets
 import socket
 import tarfile
 import threading
@@ -45,16 +47,30 @@ from environments.sandbox.base import (
 from environments.sandbox.images import default_image, docker_client
 from environments.sandbox.reaper import reap_docker
 
+log = logging.getLogger(__name__)
+
 PID1 = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1 & wait $!; done"]
 """The container's main process: sleeps, and reaps orphans (``wait`` reaps any child)."""
 _PIDFILE = "/tmp/.lachesis-exec.pid"
-_WRAPPER = ('timeout -s KILL "$0" "$@" & pid=$!; echo $pid > ' + _PIDFILE + '; wait $pid; '
-            'rc=$?; kill -KILL -- -$pid 2>/dev/null; exit $rc')
+_OUTPUT = "/tmp/.lachesis-exec"
+"""Prefix of the files (in the container's /tmp) that keep the running exec's output."""
+_WRAPPER = (
+    f'f={_OUTPUT}; m="$1"; shift; rm -f $f.o $f.e; mkfifo $f.o $f.e || exit 125; '
+    f'tee $f.out < $f.o 2>/dev/null & a=$!; tee $f.err < $f.e >&2 2>/dev/null & b=$!; '
+    f'timeout -s KILL "$0" "$@" > $f.o 2> $f.e & pid=$!; echo $pid > {_PIDFILE}; '
+    'wait $pid; rc=$?; kill -KILL -- -$pid 2>/dev/null; wait $a; wait $b; '
+    'printf %s "$m"; printf %s "$m" >&2; exit $rc')
 """Runs the command under a hard wall-clock limit in its own process group (``timeout``
 makes itself group leader), records that group in the pid file (to kill it on too much
 output), and kills what is left of the group when the command ends: background jobs and
 fork-bomb leftovers do not outlive the exec, as with bwrap. A process that leaves the
-group (``setsid``) lives until ``close()``."""
+group (``setsid``) lives until ``close()``.
+
+The command's stdout and stderr also go to files (``tee``), and each stream ends with the
+exec's mark once all of it is written: the daemon can close an exec's stream before it
+has passed on the last of the output (under load, a fast command's output can come back
+empty with its exit code: moby/moby#27289, docker/docker-py#2042), and a stream that
+lacks its mark is read again from the files (:meth:`DockerSandbox._saved_output`)."""
 
 _GO_MODE_TYPE = sum(1 << bit for bit in (31, 27, 26, 25, 24, 21, 19))
 """Go's os.ModeType (directory, symlink, named pipe, socket, device...): the archive API's
@@ -166,8 +182,9 @@ class DockerSandbox(Sandbox):
 
         api = self.client.api
         limit = self.config.max_output_bytes
-        out, err = OutputCollector(limit), OutputCollector(limit)
-        command = ["/bin/sh", "-c", _WRAPPER, f"{timeout_s:.3f}", *argv]
+        mark = f"\x1e{secrets.token_hex(8)}\x1e".encode()
+        out, err = OutputCollector(limit + len(mark)), OutputCollector(limit + len(mark))
+        command = ["/bin/sh", "-c", _WRAPPER, f"{timeout_s:.3f}", mark.decode(), *argv]
         started = time.monotonic()
         try:
             exec_id = api.exec_create(self.container.id, command, workdir=workdir,
@@ -183,6 +200,9 @@ class DockerSandbox(Sandbox):
                     killed = True
                     threading.Thread(target=self._kill_group, daemon=True).start()
             exit_code = api.exec_inspect(exec_id).get("ExitCode")
+            streams = [bytes(out.data), bytes(err.data)]
+            if not killed and not all(data.endswith(mark) for data in streams):
+                streams = self._saved_output(streams)  # the daemon lost the stream's end
         except docker.errors.NotFound as error:
             raise SandboxError(f"container {self.id} is gone: {error}") from error
         except docker.errors.APIError as error:
@@ -191,9 +211,38 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"exec failed: {error}") from error
         except docker.errors.DockerException as error:
             raise SandboxError(f"exec failed: {error}") from error
+        kept = []
+        for data, streamed in zip(streams, (out, err)):
+            collector = OutputCollector(limit)
+            collector.add(data.removesuffix(mark))
+            collector.overflow |= streamed.overflow
+            kept.append(collector)
         # timeout(1) exits 137 (128 + KILL) when it killed the command at the limit.
         timed_out = exit_code == 137 and time.monotonic() - started >= timeout_s * 0.98
-        return exit_code, out, err, timed_out
+        return exit_code, kept[0], kept[1], timed_out
+
+    def _saved_output(self, streams: list[bytes], tries: int = 5) -> list[bytes]:
+        """The exec's stdout and stderr as its files kept them, read by execs of ``cat``
+        (idempotent, so one that loses its stream too is run again); for each, the
+        longer of the file and what the stream brought (a file is short only when /tmp
+        filled up)."""
+        mark = f"\x1e{secrets.token_hex(8)}\x1e".encode()
+        script = f'cat {_OUTPUT}.out; printf %s "$0"; cat {_OUTPUT}.err >&2; printf %s "$0" >&2'
+        for _ in range(tries):
+            exec_id = self.client.api.exec_create(
+                self.container.id, ["/bin/sh", "-c", script, mark.decode()],
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}")["Id"]
+            saved = [b"", b""]
+            for chunk_out, chunk_err in self.client.api.exec_start(exec_id, stream=True,
+                                                                   demux=True):
+                saved[0] += chunk_out or b""
+                saved[1] += chunk_err or b""
+            if all(data.endswith(mark) for data in saved):
+                return [max(stream, data.removesuffix(mark), key=len)
+                        for stream, data in zip(streams, saved)]
+        log.warning("sandbox %s: an exec's output came back incomplete %d times", self.id,
+                    tries + 1)
+        return streams
 
     def _kill_group(self) -> None:
         """Kill the running exec's process group (its pid is in the pid file); if the
