@@ -9,8 +9,10 @@ On the 2-core machine (27 Nov 2026): no load, 0 of 480 and 1 of 80 lost (the lat
 right after the daemon started); 3 burners, 11 of 960 lost
 (exit code 0, stdout empty), and 31 of 960 with a docker client per sandbox instead of
 the shared one, so it is not the shared client (docker-py's APIClient is not
-thread-safe). A fix in environments/sandbox/docker.py should bring the loaded count to 0.
-Exits 1 when any exec lost its output.
+thread-safe): the daemon's race (moby/moby#27289). Since an exec's streams end with a mark
+and one that lacks it is read again from the files the exec keeps
+(environments/sandbox/docker.py): 3 burners, 0 of 960 lost. Exits 1 when any exec lost
+its output.
 """
 
 from __future__ import annotations

@@ -64,8 +64,9 @@ class CPUCost:
         for nodeid, seconds in sorted(self.by_test.items(), key=lambda kv: -kv[1])[:SHOWN]:
             write(f"{seconds:8.2f}s cpu  {nodeid}")
         if os.environ.get("LACHESIS_TEST_CPU_DIR"):  # every test's, for a closer look
-            Path(os.environ["LACHESIS_TEST_CPU_DIR"], f"cpu-{os.getpid()}.json").write_text(
-                json.dumps(self.by_test, indent=1))
+            out = Path(os.environ["LACHESIS_TEST_CPU_DIR"])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"cpu-{os.getpid()}.json").write_text(json.dumps(self.by_test, indent=1))
         in_tests = sum(self.by_test.values())
         write(f"session CPU {total:.0f} s: {in_tests:.0f} s in {len(self.by_test)} tests, "
               f"{total - in_tests:.0f} s outside them (collection, the session's end)")
