@@ -47,26 +47,26 @@ $(STAMP): pyproject.toml Makefile
 
 # The suite without the tests marked slow (pytest.ini markers), which `test-all` adds, as
 # three pytest sessions at once (markers set in tests/conftest.py): the `unit` tests (they
-# start none of vLLM, docker, Chromium, Ray), the `system` tests (each starts a whole system
-# of its own: a `lachesis run`, its own vLLM server, a Ray cluster), and the other heavy
-# tests, which run one at a time in one session because they share its vLLM servers, the
-# docker daemon and Chromium. Heavy tests wait on their servers much of the time, so the
-# three fill the two cores; the last one's progress shows as it runs, then each session's
+# start none of vLLM, docker, Chromium, Ray) with the Ray tests; the `system` tests (each
+# starts a whole system of its own: a `lachesis run`, vLLM servers of its own) but Ray's;
+# and the other heavy tests, which run one at a time in one session because they share its
+# vLLM servers, the docker daemon and Chromium. The cores are the limit, so the sessions
+# are balanced to end together; the last one's progress shows as it runs, then each session's
 # report with its 15 slowest tests. `make test` fails if any fails (pytest's 5, no test
 # selected, is no failure). `make test-serial`: the same tests in one session. TESTS=paths
 # narrows either.
 TESTS ?=
 test: install
 	@unit_log=$$(mktemp); system_log=$$(mktemp); \
-	$(PY) -m pytest -q -m "unit and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
+	$(PY) -m pytest -q -m "(unit or ray) and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
 	    > $$unit_log 2>&1 & unit=$$!; \
-	$(PY) -m pytest -q -m "system and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
+	$(PY) -m pytest -q -m "system and not ray and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
 	    > $$system_log 2>&1 & system=$$!; \
 	$(PY) -m pytest -q -m "not unit and not system and not slow" --durations=15 $(TESTS); \
 	heavy=$$?; \
 	wait $$system; system_rc=$$?; wait $$unit; unit_rc=$$?; \
-	echo "==== the system tests (-m system), run beside the above ===="; cat $$system_log; \
-	echo "==== the unit tests (-m unit), run beside the above ===="; cat $$unit_log; \
+	echo "==== the system tests but Ray's, run beside the above ===="; cat $$system_log; \
+	echo "==== the unit tests and the Ray tests, run beside the above ===="; cat $$unit_log; \
 	rm -f $$unit_log $$system_log; \
 	echo "make test: heavy tests exit $$heavy, system tests exit $$system_rc, unit tests exit $$unit_rc"; \
 	case "$$heavy $$system_rc $$unit_rc" in [05]\ [05]\ [05]) ;; *) exit 1 ;; esac

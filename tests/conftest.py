@@ -187,11 +187,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(_pytest.mark, mark))
         if not heavy:
             item.add_marker(_pytest.mark.unit)
-        elif heavy <= {"vllm", "ray"} and not names & VLLM_FIXTURES and (
-                "ray" in heavy or "tiny_model_dir" in names):
-            # a whole system of its own (a `lachesis run`, its own vLLM server of the
-            # suite's model, a Ray cluster): shares none of the session's servers, docker
-            # or Chromium, so `make test` runs these in a session beside the others
+        elif heavy <= {"vllm", "ray"} and not names & VLLM_FIXTURES:
+            # a whole system of its own (a `lachesis run`, vLLM servers of its own, a Ray
+            # cluster): shares none of the session's servers, docker or Chromium, so
+            # `make test` runs these in sessions beside the others (the Ray tests beside
+            # the unit tests, which end first)
             item.add_marker(_pytest.mark.system)
 
 
