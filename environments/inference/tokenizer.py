@@ -3,18 +3,20 @@ importing torch where that can be avoided.
 
 transformers 5 finds the tokenizer class through the model's config classes, and that
 import chain imports torch (``configuration_utils`` -> ``generation`` -> torch): a load
-took 3.5 s of CPU and 488 MB at its peak on this project's 2-core machine, against 1.0-1.3 s
-and 88 MB without torch (the tiny Qwen2), in processes that compute nothing with torch (an
-env server, an evaluation, ``lachesis env process``), which a run starts many times (every
-env, both evaluations, every restart). The class AutoTokenizer picks needs none of it. So the first load of a local model directory
-goes through AutoTokenizer and records the class it returned; later loads of the same
-directory call that class's ``from_pretrained`` as AutoTokenizer itself ends
-(``_from_auto=True``), and get the same tokenizer.
+took 3.5 s of CPU and 488 MB at its peak on this project's 2-core machine, against
+1.0-1.3 s and 88 MB without torch (the tiny Qwen2), in processes that compute nothing with
+torch (an env server, an evaluation, ``lachesis env process``), which a run starts many
+times (every env, both evaluations, every restart). The class AutoTokenizer picks needs
+none of it. So the first load of a local model directory goes through AutoTokenizer and
+records the class it returned; later loads of the same directory call that class's
+``from_pretrained`` as AutoTokenizer itself ends (``_from_auto=True``), and get the same
+tokenizer.
 
 The record is keyed by the directory's real path, its file names, the contents of
 ``config.json`` and ``tokenizer_config.json`` (everything AutoTokenizer chooses the class
-by) and the transformers version; it lives in :func:`cache_dir`. A hub name, a class from outside transformers (remote
-code) or a record that cannot be used is loaded through AutoTokenizer, as before.
+by) and the transformers version; it lives in :func:`cache_dir`. A hub name, a class from
+outside transformers (remote code) or a record that cannot be used is loaded through
+AutoTokenizer, as before.
 """
 
 from __future__ import annotations
