@@ -115,8 +115,8 @@ def test_a_models_tokenizer_loads_as_autotokenizer_gives_it_and_after_the_first_
     for d in dirs:  # the model's stop ids, read without GenerationConfig (torch)
         eos = GenerationConfig.from_pretrained(d).eos_token_id
         assert generation_eos_ids(str(d)) == ([eos] if isinstance(eos, int) else eos)
-    for d in dirs:  # the first load of each: AutoTokenizer's, recorded
-        assert namespace["fingerprint"](load_tokenizer(d)) == expected[dirs.index(d)]
+    for d, fingerprint in zip(dirs, expected):  # the first load of each: AutoTokenizer's, recorded
+        assert namespace["fingerprint"](load_tokenizer(d)) == fingerprint
     assert len(list((tmp_path / "classes").glob("*.json"))) == len(dirs)
     later = code + "print(json.dumps([fingerprint(load_tokenizer(d)) for d in sys.argv[1:]]))" \
         "\nprint('torch' in sys.modules)"

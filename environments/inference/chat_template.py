@@ -31,15 +31,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from environments.inference.tokenizer import generation_eos_ids
+
 _ANCHOR_USER = "\u2063anchor-user\u2063"
 _ANCHOR_ASSISTANT = "\u2063anchor-assistant\u2063"
-
-
-def _generation_eos_ids(tokenizer: Any) -> list[int]:
-    """The model's generation_config eos ids (vLLM stops on these too), when findable."""
-    from environments.inference.tokenizer import generation_eos_ids
-
-    return generation_eos_ids(tokenizer.name_or_path)
 
 
 class ChatTemplateError(ValueError):
@@ -68,7 +63,9 @@ class ChatRenderer:
             raise ChatTemplateError(f"tokenizer {tokenizer.name_or_path!r} has no eos token")
         self.tokenizer = tokenizer
         self.eos_text: str = tokenizer.eos_token
-        self.stop_token_ids: set[int] = {tokenizer.eos_token_id, *_generation_eos_ids(tokenizer)}
+        # the model's generation_config eos ids too: vLLM stops on these
+        self.stop_token_ids: set[int] = {tokenizer.eos_token_id,
+                                         *generation_eos_ids(tokenizer.name_or_path)}
         self.after_eos = self._text_after_end_of_turn()
         self._last_prompt: tuple[str, list[int]] | None = None
 

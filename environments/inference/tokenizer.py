@@ -83,8 +83,10 @@ def _record(record: Path, cls: type) -> None:
 def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
     """``AutoTokenizer.from_pretrained(name_or_path)``, through the recorded class where
     this directory's is known."""
-    name = str(name_or_path)
-    record = _record_path(Path(name))
+    return _load(str(name_or_path), _record_path(Path(str(name_or_path))))
+
+
+def _load(name: str, record: Path | None) -> Any:
     cls = _recorded_class(record) if record is not None and record.exists() else None
     if cls is not None:
         return cls.from_pretrained(name, _from_auto=True)
@@ -105,7 +107,7 @@ def record_tokenizer_class(name_or_path: str | os.PathLike) -> None:
     if record is None or record.exists():
         return
     try:
-        load_tokenizer(name_or_path)
+        _load(str(name_or_path), record)
     except Exception:  # noqa: BLE001 - the processes that need it say what is wrong
         return
 

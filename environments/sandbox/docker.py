@@ -72,6 +72,11 @@ has passed on the last of the output (under load, a fast command's output can co
 empty with its exit code: moby/moby#27289, docker/docker-py#2042), and a stream that
 lacks its mark is read again from the files (:meth:`DockerSandbox._saved_output`)."""
 
+def _new_mark() -> bytes:
+    """An exec's end-of-stream mark: unlikely in any output, new for every exec."""
+    return f"\x1e{secrets.token_hex(8)}\x1e".encode()
+
+
 _GO_MODE_TYPE = sum(1 << bit for bit in (31, 27, 26, 25, 24, 21, 19))
 """Go's os.ModeType (directory, symlink, named pipe, socket, device...): the archive API's
 ``mode`` of anything that is not a regular file has one of these bits."""
@@ -182,7 +187,7 @@ class DockerSandbox(Sandbox):
 
         api = self.client.api
         limit = self.config.max_output_bytes
-        mark = f"\x1e{secrets.token_hex(8)}\x1e".encode()
+        mark = _new_mark()
         out, err = OutputCollector(limit + len(mark)), OutputCollector(limit + len(mark))
         command = ["/bin/sh", "-c", _WRAPPER, f"{timeout_s:.3f}", mark.decode(), *argv]
         started = time.monotonic()
@@ -226,7 +231,7 @@ class DockerSandbox(Sandbox):
         (idempotent, so one that loses its stream too is run again); for each, the
         longer of the file and what the stream brought (a file is short only when /tmp
         filled up)."""
-        mark = f"\x1e{secrets.token_hex(8)}\x1e".encode()
+        mark = _new_mark()
         script = f'cat {_OUTPUT}.out; printf %s "$0"; cat {_OUTPUT}.err >&2; printf %s "$0" >&2'
         for _ in range(tries):
             exec_id = self.client.api.exec_create(
