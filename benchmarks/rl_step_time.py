@@ -71,6 +71,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "c64-omp1": {"env": {"concurrency": 64}, "environment": {"OMP_NUM_THREADS": "1"}},
     # the trainer's poll for its next batch before it became 0.05 s
     "poll0.5": {"train": {"lease_poll_s": 0.5}},
+    # a request per rollout's first turn, instead of one per group (n = group size)
+    "unshared": {"env": {"share_identical_requests": False}},
+    # the frozen requests keep the old weights' keys/values across a sync
+    "stale-kv": {"train": {"sync_stale_kv": True}},
 }
 
 

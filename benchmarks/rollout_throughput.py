@@ -57,7 +57,7 @@ def quickstart() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 async def framework(model: str, url: str, groups: int, concurrency: int | None,
-                    out: Path) -> dict[str, Any]:
+                    out: Path, share: bool = True) -> dict[str, Any]:
     from environments.envs.arithmetic_tool import ArithmeticToolEnv
 
     settings, _ = quickstart()
@@ -68,7 +68,7 @@ async def framework(model: str, url: str, groups: int, concurrency: int | None,
         settings["max_queued_groups"] = -(-concurrency // settings["group_size"])
     env = ArithmeticToolEnv(ArithmeticToolEnv.config_class.model_validate({
         **settings, "tokenizer": model, "inference_servers": [url],
-        "keep_equal_score_groups": True, "seed": 1}))
+        "keep_equal_score_groups": True, "seed": 1, "share_identical_requests": share}))
     await env.start()
     try:
         await env.process(out.with_suffix(".warmup.jsonl"), 1)
@@ -114,7 +114,7 @@ def ceiling(model: str, groups_path: Path) -> dict[str, Any]:
     def params(n_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=settings.get("temperature", 1.0),
                               max_tokens=n_tokens, min_tokens=n_tokens, ignore_eos=True,
-                              logprobs=0)
+                              logprobs=0, detokenize=False)  # as the env's client asks
 
     warm = by_turn[0][:8]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in warm],
@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=None,
                         help="rollouts in flight, with as many groups under way as that "
                         "takes (default: the quickstart's, a batch: 64)")
+    parser.add_argument("--unshared", action="store_true",
+                        help="also run the framework with share_identical_requests off "
+                        "(one request per rollout's first turn), after the default")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--ceiling", help=argparse.SUPPRESS)  # internal: GROUPS.jsonl
     args = parser.parse_args()
@@ -161,9 +164,16 @@ def main() -> None:
                      log_path=workdir / "vllm.log") as server:
         side = asyncio.run(framework(model, server.url, args.groups, args.concurrency,
                                      groups_path))
-    print(f"framework: {side['episodes']} episodes in {side['seconds']:.2f} s = "
-          f"{side['episodes_per_s']:.1f} episodes/s (concurrency {side['concurrency']})",
-          flush=True)
+        print(f"framework: {side['episodes']} episodes in {side['seconds']:.2f} s = "
+              f"{side['episodes_per_s']:.1f} episodes/s (concurrency {side['concurrency']})",
+              flush=True)
+        unshared = None
+        if args.unshared:
+            unshared = asyncio.run(framework(model, server.url, args.groups, args.concurrency,
+                                             workdir / "unshared.jsonl", share=False))
+            print(f"framework, share_identical_requests off: {unshared['episodes']} episodes "
+                  f"in {unshared['seconds']:.2f} s = {unshared['episodes_per_s']:.1f} "
+                  "episodes/s", flush=True)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm_settings.get("kv_cache_gib", 1))}
     done = subprocess.run([sys.executable, __file__, "--model", model, "--ceiling",
                            str(groups_path)], env=env, capture_output=True, text=True,
@@ -178,9 +188,13 @@ def main() -> None:
           f"{top['episodes_per_s']:.1f} episodes/s")
     print(f"framework / ceiling = {ratio:.2f} (goal >= {GOAL}: "
           f"{'met' if ratio >= GOAL else 'NOT met'})")
+    if unshared is not None:
+        print(f"framework, share_identical_requests off / ceiling = "
+              f"{unshared['episodes_per_s'] / top['episodes_per_s']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"framework": side, "ceiling": top,
-                                               "ratio": ratio, "goal": GOAL}, indent=1))
+                                               "ratio": ratio, "goal": GOAL,
+                                               "framework_unshared": unshared}, indent=1))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,35 @@ def test_turn_rewards(turns, stop, expected):
     assert env.compute_turn_rewards(ITEM, rollout) == expected
 
 
+WRONG = ParsedToolCall("calculator", {"expression": "6 * 8"}, "")
+
+
+@pytest.mark.parametrize("turns, expected", [
+    # a wrong call, its result reported faithfully: the answer turn did its part
+    ([turn("", [WRONG], results=["48"]), turn("<answer>48</answer>")], [0.0, 0.5]),
+    # a wrong call, its result miscopied: any wrong number
+    ([turn("", [WRONG], results=["48"]), turn("<answer>46</answer>")], [0.0, 0.1]),
+    # the right call, its result miscopied
+    ([turn("", [CALL], results=["42"]), turn("<answer>24</answer>")], [1.0, 0.1]),
+    # the right call reported: the full outcome, as before
+    ([turn("", [CALL], results=["42"]), turn("<answer>42</answer>")], [1.0, 1.0]),
+    # the reported number is the LAST call's result; a failed call returned no number
+    ([turn("", [WRONG, CALL], results=["48", "42"]), turn("<answer>48</answer>")], [1.0, 0.1]),
+    ([turn("", [WRONG], ["boom"], ["Error: boom"]), turn("<answer>48</answer>")], [0.0, 0.1]),
+])
+def test_a_faithfully_reported_wrong_result_earns_the_reported_result_score(turns, expected):
+    """``reported_result_score``: an answer that is the number the episode's last
+    calculator call returned, when that is not the right answer, earns it instead of a
+    wrong number's 0.1; ``correct`` (what the evaluations count) does not change."""
+    env = ArithmeticToolEnv(ArithmeticToolConfig(reported_result_score=0.5))
+    rollout = Rollout(messages=[], tools=None, turns=turns, stop="answer", truncated=False)
+    scores = env.compute_turn_rewards(ITEM, rollout)
+    assert scores == expected
+    assert env.rollout_metrics(ITEM, rollout, scores)["correct"] == float(expected[-1] == 1.0)
+    assert ArithmeticToolEnv().compute_turn_rewards(ITEM, rollout)[-1] == \
+        (0.1 if expected[-1] == 0.5 else expected[-1])  # the default: no difference
+
+
 def test_oracle_demonstration_parses_and_earns_full_reward():
     env = ArithmeticToolEnv()
     messages = env.oracle_messages(ITEM)

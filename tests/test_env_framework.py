@@ -61,13 +61,17 @@ def hf_logprobs(model_dir: Path, tokens: list[int]) -> torch.Tensor:
 
 def test_rollout_tokens_masks_logprobs_and_turn_scores(vllm_server):
     """The core contract: tokens are the rendered conversation, masks mark exactly the
-    sampled tokens, logprobs are the model's, one turn score per turn span."""
+    sampled tokens, logprobs are the model's, one turn score per turn span. A group's
+    first turns (one prompt) went to vLLM as one request with n = 4."""
     env = arithmetic_env(vllm_server, keep_equal_score_groups=True, max_turns=3)
 
     async def work(env):
-        return [await env.collect_group(await env.get_next_item()) for _ in range(2)]
+        groups = [await env.collect_group(await env.get_next_item()) for _ in range(2)]
+        return groups, env._pool.stats
 
-    groups = asyncio.run(with_env(env, work))
+    groups, stats = asyncio.run(with_env(env, work))
+    assert stats.shared == 2 * 3  # per group: 3 of the 4 first turns inside the 4th's
+    assert sum(len(t.turn_spans) for g in groups for t in g.trajectories) == stats.requests
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(vllm_server.model_dir))
     tools = [t.schema() for t in env.tools]
     turns_seen, calls_seen = 0, 0
@@ -328,6 +332,31 @@ def test_openai_mode_marks_trajectories_not_trainable(vllm_server):
     for t in group.trajectories:
         assert not t.flags.trainable and t.inference_logprobs is None
         assert t.messages[-1].role == "assistant"
+
+
+def test_identical_requests_go_as_one_and_each_gets_its_own_sample(vllm_server):
+    """Four identical requests made together (a group's first turn) are one request with
+    n = 4 to vLLM: four different samples, each with the model's logprobs of its own
+    tokens; a seeded request and a different prompt go on their own."""
+    prompt = [5, 6, 7, 8, 9]
+
+    async def work():
+        async with VLLMServerPool([vllm_server.url], vllm_server.model_name) as pool:
+            server = pool.servers[0]
+            sent = server.requests
+            outs = await asyncio.gather(
+                *(pool.complete(prompt, max_tokens=12) for _ in range(4)),
+                pool.complete(prompt, max_tokens=12, sampling={"seed": 3}),
+                pool.complete(prompt[:-1], max_tokens=12))
+            return outs, server.requests - sent, pool.stats.shared
+
+    outs, sent, shared = asyncio.run(work())
+    assert (sent, shared) == (3, 3)
+    assert len({tuple(o.token_ids) for o in outs[:4]}) == 4
+    for out, context in zip(outs, [prompt] * 5 + [prompt[:-1]]):
+        tokens = context + out.token_ids
+        model = hf_logprobs(vllm_server.model_dir, tokens)[len(context) - 1:]
+        assert (model - torch.tensor(out.logprobs)).abs().max() < 1e-3
 
 
 def test_pool_routes_around_a_dead_server(vllm_server):

@@ -43,7 +43,17 @@ def perturbed(model_dir, scale=0.05):
     return model
 
 
-@pytest.mark.parametrize("pause", ["keep", "abort"])
+def stale_logprobs(model_a, model_b, tokens: list[int], switch: int) -> torch.Tensor:
+    """The logprobs of ``tokens[switch:]`` sampled by B over the keys/values A computed
+    before the update (those of ``tokens[:switch - 1]``; the forward that sampled token
+    ``switch`` was B's, and computed the keys/values of token ``switch - 1``)."""
+    with torch.no_grad():
+        cache = model_a(torch.tensor([tokens[:switch - 1]]), use_cache=True).past_key_values
+        logits = model_b(torch.tensor([tokens[switch - 1:-1]]), past_key_values=cache).logits[0]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[switch:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("pause", ["keep", "abort", "keep-stale"])
 def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, tmp_path,
                                                                    pause):
     """The env's rollout (one long turn) is in flight when the trainer syncs version 1
@@ -51,10 +61,12 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
     (``abort``: the client continued the aborted request, once per turn; ``keep``:
     nothing to continue); its first tokens are version 0's and carry model A's
     logprobs, the rest version 1's and carry model B's (recomputed from the whole
-    prefix: no key/value of A's survives the update)."""
+    prefix: no key/value of A's survives the update; ``keep-stale``, ``sync_stale_kv``:
+    B's over the keys/values A computed before the update, as PipelineRL)."""
     model_a = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir)
     model_b = perturbed(vllm_server.model_dir)
-    sync = VLLMWeightSync([vllm_server.url], tmp_path / "weights", pause=pause)
+    sync = VLLMWeightSync([vllm_server.url], tmp_path / "weights", pause=pause.split("-")[0],
+                          stale_kv=pause == "keep-stale")
     path_b = sync.save(model_b, None, 1)
     out = tmp_path / "groups.jsonl"
     config = EnvConfig(tokenizer=str(vllm_server.model_dir),
@@ -106,7 +118,7 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
         asyncio.run(reload_original(vllm_server))
     # the sync did not wait for the generations: they went on for a while after it
     assert generated_after > 3 * seconds, (seconds, generated_after)
-    assert continued == {"keep": 0, "abort": 2}[pause]  # each aborted turn once
+    assert continued == {"keep": 0, "keep-stale": 0, "abort": 2}[pause]  # each aborted once
 
     group = next(iter(read_groups(out)))
     for t in group.trajectories:
@@ -125,6 +137,12 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
             b = hf_logprobs(model_b, t.tokens)
         before, after = slice(start - 1, s1 - 1), slice(s1 - 1, end - 1)
         assert (a[before] - recorded[start:s1]).abs().mean() < 1e-3
+        if pause == "keep-stale":
+            stale = stale_logprobs(model_a, model_b, t.tokens, s1)[:end - s1]
+            assert (stale - recorded[s1:end]).abs().mean() < 1e-3
+            b = torch.cat([b[:s1 - 1], stale])  # (B from scratch would not explain them:)
+            assert (hf_logprobs(model_b, t.tokens)[after] - recorded[s1:end]).abs().mean() \
+                > 1e-2
         assert (b[after] - recorded[s1:end]).abs().mean() < 1e-3
         # and the other checkpoint would not explain them: the update mattered
         assert (b[before] - recorded[start:s1]).abs().mean() > 1e-2

@@ -185,6 +185,13 @@ class TrainConfig(BaseModel):
     lets them finish first; ``abort`` ends them and the envs continue them on the new
     weights. Every token keeps the logprob of the weights that sampled it. LoRA syncs
     never pause."""
+    sync_stale_kv: bool = False
+    """With ``sync_pause: keep``: the frozen requests go on with the key/values the old
+    weights computed (and the prefix cache keeps them) instead of recomputing their
+    context with the new weights after every sync (PipelineRL's in-flight updates). Saves
+    a prefill of every running request's context per sync; the tokens after the update
+    are sampled by the new weights over the old weights' keys/values, and keep the
+    logprobs they were sampled with (docs/weight-sync.md)."""
     weight_sync: Literal["auto", "transfer", "disk", "lora"] = "auto"
     """How new weights reach vLLM: auto, transfer, disk or lora (docs/weight-sync.md).
     ``disk``: a HF checkpoint that vLLM re-reads; ``transfer``: in memory through vLLM's
@@ -244,6 +251,14 @@ class TrainConfig(BaseModel):
         if self.lora is not None and self.weight_sync not in ("auto", "lora"):
             raise ValueError(f"with `lora`, only the adapter trains: weight_sync must be "
                              f"lora or auto, not {self.weight_sync}")
+        return self
+
+    @model_validator(mode="after")
+    def _stale_kv_needs_keep(self) -> TrainConfig:
+        if self.sync_stale_kv and self.sync_pause != "keep":
+            raise ValueError(f"sync_stale_kv keeps the KV of the requests that sync_pause: "
+                             f"keep freezes; sync_pause: {self.sync_pause} freezes none: set "
+                             "sync_pause: keep, or drop sync_stale_kv")
         return self
 
     @classmethod

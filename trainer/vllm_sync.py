@@ -22,7 +22,12 @@ How a server pauses (``sync_pause``, :class:`PauseMode`):
   key/value computed by the old ones: neither a frozen request's own nor a cached
   prefix), and every token keeps the logprob of the weights that sampled it, which is
   what the importance ratio needs. A server that refuses ``keep`` (vLLM before 0.32) is
-  paused with ``wait`` from then on.
+  paused with ``wait`` from then on. With ``stale_kv`` (``train.sync_stale_kv``) nothing
+  is preempted and nothing recomputed: the frozen requests go on over the key/values the
+  old weights computed, and the prefix cache keeps them for later requests too (what
+  PipelineRL does; its paper measured the off-policyness this adds as negligible). A
+  token after the update is then sampled by the new weights over older keys/values; its
+  logprob is still the one it was sampled with.
 - ``wait``: running requests finish first (the sync waits for the longest generation in
   flight); the KV and prefix caches are cleared after them.
 - ``abort``: running requests end at once with finish reason ``abort`` and the tokens
@@ -121,12 +126,16 @@ def path_version(path: Path) -> int | None:
 
 class VLLMWeightSync:
     def __init__(self, urls: list[str], weights_dir: str | Path, *, timeout_s: float = 300.0,
-                 keep: int = 2, pause: PauseMode = "keep"):
+                 keep: int = 2, pause: PauseMode = "keep", stale_kv: bool = False):
+        """``stale_kv`` (with ``keep``): the frozen requests and the prefix cache keep the
+        key/values the old weights computed (no recompute after a sync; see the module
+        doc)."""
         self.urls = [u.rstrip("/") for u in urls]
         self.weights_dir = Path(weights_dir)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.keep = keep
         self.pause_mode = pause
+        self.stale_kv = stale_kv
         self.waits: set[str] = set()
         """Servers that refused ``keep``: paused with ``wait``."""
 
@@ -179,7 +188,7 @@ class VLLMWeightSync:
         computed (``keep``: the frozen requests' KV and the prefix cache), resume."""
         if version is not None:
             await self.label(session, url, version)
-        if self.mode(url) == "keep":
+        if self.mode(url) == "keep" and not self.stale_kv:
             try:
                 await self._post(session,
                                  f"{url}/reset_prefix_cache?reset_running_requests=true")
@@ -383,7 +392,8 @@ class PolicyServers:
             # meanwhile) and stops the run if one does not come up.
             await wait_until_answering(urls)
         self.sync = VLLMWeightSync(urls, self.run_dir / "weights",
-                                   pause=self.config.sync_pause)
+                                   pause=self.config.sync_pause,
+                                   stale_kv=self.config.sync_stale_kv)
         from trainer.vllm_busy import BusySampler
 
         self.busy = BusySampler(self.urls).start()

@@ -15,7 +15,11 @@ outcome). Each turn earns what it did right, not its format:
   the same number: the turn is rewarded for the right call, not for luck);
 * the last turn (outcome): 1.0 for exactly ``<answer>N</answer>`` with the right N and
   nothing else but whitespace, 0.8 for the right N inside other text, 0.1 for a wrong
-  number in the tags, 0.0 otherwise (no tags, or a truncated episode).
+  number in the tags, 0.0 otherwise (no tags, or a truncated episode). With
+  ``reported_result_score`` above 0.1, a wrong number that is exactly what the episode's
+  last calculator call returned (a faithful report of a wrong call) earns that instead:
+  the answer turn did its part, reporting the tool's result, and the call that was wrong
+  is already scored 0 on its own turn.
 
 Difficulty: ``n_operands`` numbers in ``[0, max_operand]`` joined by ``operators``. With
 ``easy_fraction`` > 0 that share of items is easy instead: ``a + b`` with both in
@@ -96,6 +100,20 @@ def mistype(expression: str, rng: random.Random) -> str:
         return mistyped
 
 
+def reported_number(text: str) -> int | None:
+    """The number inside the answer tags, or None."""
+    match = _ANSWER.search(text)
+    return int(match.group(1)) if match else None
+
+
+def last_result(rollout: Any) -> int | None:
+    """The number the episode's last tool call returned (None: no call, or it returned no
+    number, e.g. an error)."""
+    results = [r for turn in rollout.turns for r in turn.tool_results]
+    return int(results[-1]) if results and re.fullmatch(r"-?\d+", results[-1].strip()) \
+        else None
+
+
 @tool(inline=True)  # microseconds of pure Python: no worker thread
 def calculator(expression: str) -> str:
     """Evaluate an integer arithmetic expression.
@@ -123,6 +141,11 @@ class ArithmeticToolConfig(EnvConfig):
     """Score only the outcome: one float per episode (the last turn's score), no turn
     rewards. For estimators that need no per-turn scores (``grpo``, ``gigpo``); the
     ``tool_success``/``right_expression`` metrics are still reported."""
+    reported_result_score: float = Field(default=0.1, ge=0.0, lt=0.8)
+    """The outcome's score for a wrong number that is the result of the episode's last
+    calculator call (the default, 0.1, is any wrong number's: no difference). Between 0.1
+    and 0.8 it tells the answer turn to report the tool's result even after a wrong call,
+    a signal the outcome alone gives only when the call was right."""
     oracle_slip_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     """Share of the demonstrations whose calculator call has a slip: one digit of one
     operand mistyped; the tool result and the answer then follow the mistyped expression
@@ -246,5 +269,9 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
         rewards = [float(self.right_call(item, turn)) for turn in rollout.turns[:-1]]
         final = rollout.turns[-1]
         answered = not rollout.truncated or rollout.stop == "answer"
-        rewards.append(self.outcome_score(final.text, item["answer"]) if answered else 0.0)
+        outcome = self.outcome_score(final.text, item["answer"]) if answered else 0.0
+        if outcome == 0.1 and self.config.reported_result_score != 0.1 \
+                and reported_number(final.text) == last_result(rollout):
+            outcome = self.config.reported_result_score
+        rewards.append(outcome)
         return rewards

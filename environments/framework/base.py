@@ -117,6 +117,11 @@ class EnvConfig(BaseModel):
     every group the env may have under way, ``group_size * max_queued_groups`` (under
     ``lachesis run``: a whole batch, so the inference server batches them all instead of
     a few at a time); without ``max_queued_groups``, ``DEFAULT_CONCURRENCY``."""
+    share_identical_requests: bool = True
+    """Identical requests made at the same moment (a group's first turns: one prompt) go
+    to vLLM as one request with ``n`` (docs/environments.md); they come back together,
+    when the longest is done. Off: one request each, each back when it is done (first
+    turns with a long tail, where the others should go on without waiting)."""
     # rollout API
     env_name: str | None = Field(default=None, min_length=1, max_length=200)
     """The name the env registers under and writes into its groups (default: the env
@@ -465,7 +470,8 @@ class BaseEnv:
             self._pool = VLLMServerPool(config.inference_servers, config.model,
                                         api_key=config.api_token,
                                         timeout_s=config.request_timeout_s,
-                                        outage_wait_s=config.inference_outage_wait_s)
+                                        outage_wait_s=config.inference_outage_wait_s,
+                                        share_identical=config.share_identical_requests)
             await self._pool.start()
             check_context_limits(config.max_token_length, config.max_tokens_per_turn,
                                  self._pool.context_limits, self._pool.model)

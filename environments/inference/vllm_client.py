@@ -13,6 +13,14 @@ is continued: the tokens sampled so far are appended to the prompt and the rest 
 sampled, after the update, by the new weights; the continuation's tokens carry the new
 version.
 
+Identical requests made at the same moment (the same prompt ids, token budget and
+sampling settings, unseeded: the first turns of a group's rollouts, or an Atropos env's
+``n`` completions) go to vLLM as one request with ``n`` set to how many there are
+(``share_identical``); each caller gets its own choice, sampled independently as before.
+One request instead of ``n`` saves the HTTP round trip, vLLM's request handling and its
+prompt processing ``n - 1`` times; the callers get their answers together, when the
+longest of the ``n`` is done.
+
 Routing: a request goes to the healthy server with the fewest requests in flight (ties
 broken round-robin). A server that fails (connection error, timeout, 5xx) is marked
 unhealthy and the request is retried on another one with exponential backoff; an
@@ -28,10 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -91,6 +100,8 @@ class PoolStats:
     retries: int = 0
     failures: int = 0
     completion_tokens: int = 0
+    shared: int = 0
+    """Requests that went to vLLM inside another identical one (``n`` > 1)."""
     continued: int = 0
     """Requests that a weight update aborted (``sync_pause: abort``) and that were
     continued on the new weights."""
@@ -107,10 +118,12 @@ class VLLMServerPool:
 
     def __init__(self, urls: list[str], model: str | None = None, *, api_key: str | None = None,
                  timeout_s: float = 300.0, retries: int = 3, backoff_s: float = 0.5,
-                 health_interval_s: float = 5.0, outage_wait_s: float = 600.0):
+                 health_interval_s: float = 5.0, outage_wait_s: float = 600.0,
+                 share_identical: bool = True):
         """``outage_wait_s``: how long a request waits for a server to answer ``/health``
         again when none is healthy (a supervised vLLM restarting) before it fails; the
-        wait spends none of its ``retries``."""
+        wait spends none of its ``retries``. ``share_identical``: identical requests made
+        at the same moment go as one request with ``n`` (see the module doc)."""
         if not urls:
             raise ValueError("at least one inference server URL is needed")
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
@@ -126,6 +139,8 @@ class VLLMServerPool:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._outage: asyncio.Future | None = None
+        self.share_identical = share_identical
+        self._forming: dict[Any, _SharedRequest] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> VLLMServerPool:
@@ -263,19 +278,73 @@ class VLLMServerPool:
         """Sample one continuation of ``prompt_ids``; a request that a weight update
         aborted is continued from where it stopped (see the module doc)."""
         self.stats.requests += 1
-        done = await self._request(prompt_ids, max_tokens, sampling)
+        if self.share_identical and "seed" not in (sampling or {}):
+            done = await self._shared(prompt_ids, max_tokens, sampling)
+        else:
+            done, = await self._request(prompt_ids, max_tokens, sampling)
         stalled = 0  # continuations in a row that got no token (aborted again at once)
         while done.finish_reason == "abort" and len(done.token_ids) < max_tokens \
                 and stalled < MAX_STALLED_CONTINUATIONS:
             self.stats.continued += 1
-            more = await self._request(prompt_ids + done.token_ids,
-                                       max_tokens - len(done.token_ids), sampling)
+            more, = await self._request(prompt_ids + done.token_ids,
+                                        max_tokens - len(done.token_ids), sampling)
             stalled = 0 if more.token_ids else stalled + 1
             done = join_completions(done, more)
         return done
 
+    async def _shared(self, prompt_ids: list[int], max_tokens: int,
+                      sampling: dict[str, Any] | None) -> Completion:
+        """Join the identical request being formed in this turn of the event loop, or
+        form one: it is sent once the tasks already running have had their turn (the
+        other rollouts of a group, started together), with ``n`` = its callers."""
+        key = (tuple(prompt_ids), max_tokens,
+               json.dumps(sampling or {}, sort_keys=True, default=str))
+        shared = self._forming.get(key)
+        if shared is None or len(shared.waiters) >= MAX_SHARED:
+            shared = self._forming[key] = _SharedRequest()
+            loop = asyncio.get_running_loop()
+            # two turns of the loop: callers that start right after this one get in too
+            loop.call_soon(loop.call_soon, self._send_shared, key, shared, prompt_ids,
+                           max_tokens, sampling)
+        waiter = asyncio.get_running_loop().create_future()
+        shared.waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            shared.cancelled += 1
+            if shared.task is not None and shared.cancelled == len(shared.waiters):
+                shared.task.cancel()  # nobody waits for it any more
+            raise
+
+    def _send_shared(self, key: Any, shared: _SharedRequest, prompt_ids: list[int],
+                     max_tokens: int, sampling: dict[str, Any] | None) -> None:
+        if self._forming.get(key) is shared:
+            del self._forming[key]
+        shared.waiters = [w for w in shared.waiters if not w.done()]  # (cancelled already)
+        shared.cancelled = 0
+        n = len(shared.waiters)
+        if n == 0:
+            return
+        self.stats.shared += n - 1
+        shared.task = asyncio.ensure_future(self._request(prompt_ids, max_tokens, sampling, n))
+
+        def hand_out(task: asyncio.Task) -> None:
+            error = None if task.cancelled() else task.exception()
+            for i, waiter in enumerate(shared.waiters):
+                if waiter.done():
+                    continue
+                if task.cancelled():
+                    waiter.cancel()
+                elif error is not None:
+                    waiter.set_exception(error)
+                else:
+                    waiter.set_result(task.result()[i])
+
+        shared.task.add_done_callback(hand_out)
+
     async def _request(self, prompt_ids: list[int], max_tokens: int,
-                       sampling: dict[str, Any] | None) -> Completion:
+                       sampling: dict[str, Any] | None, n: int = 1) -> list[Completion]:
+        """``n`` continuations of ``prompt_ids`` in one request."""
         tried: set[str] = set()
         last_error = "no attempt"
         for attempt in range(self.retries + 1):
@@ -290,18 +359,22 @@ class VLLMServerPool:
                 raise
             server = self._pick(tried)
             tried.add(server.url)
-            server.in_flight += 1
+            server.in_flight += n
             server.requests += 1
             if server.generate:
                 route = GENERATE_ROUTE
+                # token ids out: nothing to detokenize, unless stop strings are to be
+                # found in the text
+                detokenize = bool((sampling or {}).get("stop"))
                 payload = {"model": self.model, "token_ids": prompt_ids,
-                           "sampling_params": {**(sampling or {}), "max_tokens": max_tokens,
-                                               "logprobs": 0, "n": 1}}
+                           "sampling_params": {"detokenize": detokenize, **(sampling or {}),
+                                               "max_tokens": max_tokens, "logprobs": 0,
+                                               "n": n}}
             else:
                 route = "/v1/completions"
                 payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
                            **(sampling or {}), "logprobs": 0, "return_token_ids": True,
-                           "n": 1, "stream": False}
+                           "n": n, "stream": False}
             try:
                 async with self.session.post(server.url + route, json=payload) as response:
                     data = await response.json(content_type=None)
@@ -316,7 +389,7 @@ class VLLMServerPool:
                             _refuses_the_context(message) else InferenceError
                         raise error(f"{server.url} refused the request "
                                     f"({response.status}): {message}")
-                return self._completion(data, server.url)
+                return self._completions(data, server.url, n)
             except (_ServerFault, aiohttp.ClientError, asyncio.TimeoutError) as error:
                 last_error = f"{server.url}: {type(error).__name__}: {error}"
                 server.failures += 1
@@ -324,13 +397,18 @@ class VLLMServerPool:
                 server.healthy = False
                 log.warning("completion failed on %s (%s); retrying elsewhere", server.url, error)
             finally:
-                server.in_flight -= 1
+                server.in_flight -= n
         self.stats.failures += 1
         raise InferenceError(f"completion failed after {self.retries + 1} attempts; "
                              f"last error: {last_error}")
 
-    def _completion(self, data: dict[str, Any], url: str) -> Completion:
-        choice = data["choices"][0]
+    def _completions(self, data: dict[str, Any], url: str, n: int) -> list[Completion]:
+        choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != n:
+            raise InferenceError(f"{url} returned {len(choices)} choices for n={n}")
+        return [self._completion(choice, url) for choice in choices]
+
+    def _completion(self, choice: dict[str, Any], url: str) -> Completion:
         token_ids = choice.get("token_ids")
         if token_ids is None:
             raise InferenceError(f"{url} returned no token_ids: is it vLLM >= 0.10 "
@@ -360,6 +438,14 @@ class _ServerFault(Exception):
     pass
 
 
+@dataclass
+class _SharedRequest:
+    """Identical requests sent as one with ``n``: a future per caller."""
+    waiters: list[asyncio.Future] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    cancelled: int = 0
+
+
 def _refuses_the_context(message: Any) -> bool:
     """Whether a vLLM 400 says the prompt does not fit ``max_model_len`` (each route words
     it its own way)."""
@@ -368,6 +454,9 @@ def _refuses_the_context(message: Any) -> bool:
 
 
 GENERATE_ROUTE = "/inference/v1/generate"
+MAX_SHARED = 64
+"""At most this many identical requests go as one (vLLM refuses ``n`` above its
+``max_num_seqs``, 256 by default on CPU)."""
 MAX_STALLED_CONTINUATIONS = 16
 """An aborted request is continued until this many continuations in a row got no token;
 then the turn ends as vLLM ended it (finish reason ``abort``)."""
