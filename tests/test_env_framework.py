@@ -367,8 +367,8 @@ def test_pool_routes_around_a_dead_server(vllm_server):
     async def scenario():
         async with VLLMServerPool([dead, vllm_server.url], vllm_server.model_name,
                                   retries=2, backoff_s=0.01) as pool:
-            completions = await asyncio.gather(*(pool.complete([1, 2, 3], max_tokens=4)
-                                                 for _ in range(4)))
+            completions = await asyncio.gather(*(pool.complete([1, 2, 3 + i], max_tokens=4)
+                                                 for i in range(4)))
             return completions, pool.describe()
 
     completions, servers = asyncio.run(scenario())

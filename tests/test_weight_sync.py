@@ -101,8 +101,8 @@ def test_a_replica_without_the_adapter_is_routed_around(server, vllm_server, tmp
     async def scenario():
         async with VLLMServerPool([vllm_server.url, server.url], "only-here", retries=2,
                                   backoff_s=0.01) as pool:
-            completions = await asyncio.gather(*(pool.complete([1, 2, 3], max_tokens=4)
-                                                 for _ in range(4)))
+            completions = await asyncio.gather(*(pool.complete([1, 2, 3 + i], max_tokens=4)
+                                                 for i in range(4)))
             return completions, pool.describe()
 
     try:
