@@ -300,7 +300,8 @@ def test_a_run_whose_groups_all_score_equal_stops_training_early_and_still_evalu
         tmp_path, tiny_model_dir, "collapse", warm_start=None,
         envs=[{"name": f"{env_file}:CollapsingEnv", "settings": {
             "group_size": 4, "max_turns": 1, "max_tokens_per_turn": 16, "eval_items": 2,
-            "keep_equal_score_groups": False}}],
+            "keep_equal_score_groups": False,
+            "concurrency": 4}}],  # (one group at a time: it samples groups it drops)
         train={**SHORT_RUN["train"], "steps": 3, "max_batch_wait_s": 8})
     run = start_run(config)
     out, err = run.communicate(timeout=600)
