@@ -270,8 +270,7 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
         final = rollout.turns[-1]
         answered = not rollout.truncated or rollout.stop == "answer"
         outcome = self.outcome_score(final.text, item["answer"]) if answered else 0.0
-        if outcome == 0.1 and self.config.reported_result_score != 0.1 \
-                and reported_number(final.text) == last_result(rollout):
+        if outcome == 0.1 and reported_number(final.text) == last_result(rollout):
             outcome = self.config.reported_result_score
         rewards.append(outcome)
         return rewards

@@ -311,8 +311,7 @@ class VLLMServerPool:
         try:
             return await waiter
         except asyncio.CancelledError:
-            shared.cancelled += 1
-            if shared.task is not None and shared.cancelled == len(shared.waiters):
+            if shared.task is not None and all(w.cancelled() for w in shared.waiters):
                 shared.task.cancel()  # nobody waits for it any more
             raise
 
@@ -321,7 +320,6 @@ class VLLMServerPool:
         if self._forming.get(key) is shared:
             del self._forming[key]
         shared.waiters = [w for w in shared.waiters if not w.done()]  # (cancelled already)
-        shared.cancelled = 0
         n = len(shared.waiters)
         if n == 0:
             return
@@ -443,7 +441,6 @@ class _SharedRequest:
     """Identical requests sent as one with ``n``: a future per caller."""
     waiters: list[asyncio.Future] = field(default_factory=list)
     task: asyncio.Task | None = None
-    cancelled: int = 0
 
 
 def _refuses_the_context(message: Any) -> bool:
