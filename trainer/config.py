@@ -147,6 +147,12 @@ class TrainConfig(BaseModel):
     lr: float = Field(default=1e-5, gt=0)
     warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up from lr/warmup_steps to lr over this many steps."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warm-up: keep ``lr`` (constant), or decay it to ``lr * final_lr_fraction``
+    at the last of ``steps``, in a straight line (linear) or along half a cosine (cosine)
+    (trainer/schedule.py)."""
+    final_lr_fraction: float = Field(default=0.0, ge=0, le=1)
+    """The last step's learning rate as a fraction of ``lr`` (linear and cosine only)."""
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(default=1e-8, gt=0)

@@ -28,6 +28,24 @@ def init_distributed() -> tuple[int, int]:
     return (dist.get_rank() if world > 1 else 0), world
 
 
+def leave_process_group(*, together: bool) -> None:
+    """Leave the process group before the interpreter exits (no-op outside one).
+
+    Exiting without ``destroy_process_group`` leaves gloo's worker threads to be torn down
+    while the interpreter finalizes, which can abort the process (SIGABRT, "terminate
+    called without an active exception": pytorch/pytorch#190489), so a rank that finished
+    its steps could fail a run that succeeded. ``together``: a normal end, reached by every
+    rank; wait for the others first (rank 0 may still be writing the last checkpoint).
+    A rank that raised leaves at once (waiting could hang on a dead peer)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if together:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def rendezvous_store(world: int) -> dist.TCPStore | None:
     """Without torchrun (whose agent hosts the store), rank 0 hosts the rendezvous store
     itself, listening on ``MASTER_ADDR`` only (torch's ``env://`` store listens on every

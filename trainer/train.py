@@ -65,11 +65,13 @@ from trainer.config import TrainConfig
 from trainer.distributed import (
     full_state_dict,
     init_distributed,
+    leave_process_group,
     optimizer_state,
     shard_model,
     use_deterministic_kernels,
     uses_fsdp,
 )
+from trainer.schedule import learning_rate
 from trainer.logprobs import (
     attention_implementation,
     enable_activation_checkpointing,
@@ -453,6 +455,18 @@ async def end_early(stopped: BatchWaitExceeded, step: int, *, model, optimizer, 
 # the loop
 # --------------------------------------------------------------------------------------
 async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
+    """Train per ``config`` (steps, checkpoints, syncs); the run's summary. Under torchrun,
+    every rank runs this and leaves the process group at the end."""
+    try:
+        summary = await _train(config, check_only=check_only)
+    except BaseException:
+        leave_process_group(together=False)
+        raise
+    leave_process_group(together=True)
+    return summary
+
+
+async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if config.deterministic:
@@ -496,7 +510,7 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
         for path in discard_after(run_dir, start_step):
             log.info("removed %s (written after step %d, which is where training resumes)",
                      path, start_step)
-    warmup = config.warmup_steps
+    scheduled = config.warmup_steps > 0 or config.lr_schedule != "constant"
     ref_model = None
     if config.kl_coef > 0 and rl:
         ref_model = AutoModelForCausalLM.from_pretrained(
@@ -574,9 +588,9 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
                     return summary
             # 4. forward/backward, optimizer step
             values = dict(stats)
-            if warmup:
+            if scheduled:
                 for group in optimizer.param_groups:
-                    group["lr"] = config.lr * min(1.0, (step + 1) / warmup)
+                    group["lr"] = learning_rate(step, config)
                 values["lr"] = optimizer.param_groups[0]["lr"]
             if tensors is not None:
                 with clock("train"):
