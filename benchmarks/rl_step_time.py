@@ -75,6 +75,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "unshared": {"env": {"share_identical_requests": False}},
     # the frozen requests keep the old weights' keys/values across a sync
     "stale-kv": {"train": {"sync_stale_kv": True}},
+    # two batches of groups ahead of the trainer instead of one (within max_staleness 2)
+    "ahead2": {"env": {"max_queued_groups": 16}},
+    "ahead2-stale-kv": {"env": {"max_queued_groups": 16}, "train": {"sync_stale_kv": True}},
 }
 
 

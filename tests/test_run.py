@@ -262,18 +262,23 @@ class LetterEEnv(TurnLevelRewardMixin, BaseEnv):
 
 
 COLLAPSING_ENV = """
+import asyncio
+
 from environments import BaseEnv
 
 
 class CollapsingEnv(BaseEnv):
     \"\"\"Its first 2 items score each sample by its share of 'e' (and length); every later
-    item scores 0 for every sample, as a collapsed policy's groups do.\"\"\"
+    item scores 0 for every sample, as a collapsed policy's groups do (and comes a little
+    slowly: the dropped groups need not keep vLLM busy for the test to hold).\"\"\"
 
     name = "collapsing"
     drawn = 0
 
     async def get_next_item(self):
         self.drawn += 1
+        if self.drawn > 2:
+            await asyncio.sleep(0.5)
         return {"id": f"e{self.drawn}", "n": self.drawn, "question": "Write many e letters."}
 
     def prompt_messages(self, item):
