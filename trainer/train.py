@@ -71,7 +71,6 @@ from trainer.distributed import (
     use_deterministic_kernels,
     uses_fsdp,
 )
-from trainer.schedule import learning_rate
 from trainer.logprobs import (
     attention_implementation,
     enable_activation_checkpointing,
@@ -80,6 +79,7 @@ from trainer.logprobs import (
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
 from trainer.metrics import Metrics, Progress, stopped_early_text, write_stopped_early
+from trainer.schedule import learning_rate
 from trainer.shaping import shape_rewards, trains_on, with_dynamic_sampling
 from trainer.sources import Batch, BatchWaitExceeded, open_source
 from trainer.timing import StepClock, untimed
