@@ -24,4 +24,3 @@ def test_warm_up_then_decay_to_the_final_fraction_on_the_last_step(schedule):
     if schedule != "constant":
         assert rates[2] == pytest.approx(1e-3) and rates[11] == pytest.approx(1e-4)
         assert all(a > b for a, b in zip(rates[2:], rates[3:]))  # strictly down
-

@@ -455,8 +455,9 @@ async def end_early(stopped: BatchWaitExceeded, step: int, *, model, optimizer, 
 # the loop
 # --------------------------------------------------------------------------------------
 async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
-    """Train per ``config`` (steps, checkpoints, syncs); the run's summary. Under torchrun,
-    every rank runs this and leaves the process group at the end."""
+    """Train per ``config`` (steps, checkpoints, syncs); the run's summary. With several
+    ranks (torchrun, or ``lachesis run --ray``), every rank runs this and leaves the
+    process group at the end."""
     try:
         summary = await _train(config, check_only=check_only)
     except BaseException:
