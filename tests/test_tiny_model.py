@@ -254,6 +254,9 @@ def test_vllm_token_in_token_out(vllm_server, tokenizer):
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == im_end
     assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 4
+    # no line per request in the server's log (VLLMProcess's access_log, off by default)
+    assert "Application startup complete" in vllm_server.log_path.read_text()
+    assert "POST /v1/completions" not in vllm_server.log_path.read_text()
 
 
 @pytest.fixture(scope="module")

@@ -137,11 +137,14 @@ class VLLMProcess:
                  kv_cache_space_gib: int | None = 1, dev_mode: bool = False,
                  extra_args: list[str] | tuple[str, ...] = (),
                  env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 python: str | None = None, token: str | None = None, guarded: bool = False):
+                 python: str | None = None, token: str | None = None, guarded: bool = False,
+                 access_log: bool = False):
         """``token``: the server refuses every request but ``/health`` without it
         (:mod:`environments.inference.vllm_auth`; it reaches the server in its environment,
         never on its command line). ``guarded``: the same, with the token taken from the
-        environment the command is started in (``LACHESIS_API_TOKEN``)."""
+        environment the command is started in (``LACHESIS_API_TOKEN``). ``access_log``:
+        uvicorn's line per HTTP request in the log (off: an RL run sends hundreds of
+        requests a step, and the log would hold little else)."""
         self.model_dir = Path(model_dir)
         self.host = host
         self.port = port or free_port(host)
@@ -157,6 +160,7 @@ class VLLMProcess:
         self.python = python or sys.executable
         self.token = token
         self.guarded = guarded or token is not None
+        self.access_log = access_log
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
             os.close(fd)
@@ -181,6 +185,8 @@ class VLLMProcess:
             # /inference/v1/generate: token-in/token-out that says which weight version
             # sampled each token (environments/inference/vllm_client.py)
             cmd.append("--enable-scale-out")
+        if not self.access_log:
+            cmd.append("--disable-uvicorn-access-log")
         if self.guarded:
             cmd += middleware_args()
         return cmd + self.extra_args

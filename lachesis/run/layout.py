@@ -243,6 +243,7 @@ def build_layout(config: RunConfig, model: str | None = None,
                              kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
                              gpu_memory_utilization=v.gpu_memory_utilization,
                              served_model_name="policy", guarded=True,
+                             access_log=v.access_log,
                              extra_args=[*tp_args, *determinism_args, *v.args, *sync_args],
                              env=sync_env,
                              log_path=logs / f"{name}.log")
