@@ -1,7 +1,9 @@
 """Scored groups as JSONL: one group per line.
 
 Writing: :class:`GroupWriter` appends complete lines with a single ``write`` under an
-exclusive ``flock`` and (by default) ``fsync``s them. A crash can still cut the last
+exclusive ``flock`` (between processes) and a lock of its own (between the threads that
+share it: ``flock`` does not exclude two users of one open file) and (by default)
+``fsync``s them. A crash can still cut the last
 write short; the next writer to open the file finds the torn tail (the bytes after the
 last newline), moves it to ``FILE.torn`` and truncates it away before appending, so a
 torn line never sits in the middle of the file. Readers skip a final line without its
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +189,7 @@ class GroupWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._f = open(self.path, "a+b")
+        self._lock = threading.Lock()
 
     def append(self, groups: ScoredGroup | Iterable[ScoredGroup]) -> None:
         if isinstance(groups, ScoredGroup):
@@ -193,6 +197,10 @@ class GroupWriter:
         data = b"".join(g.model_dump_json().encode() + b"\n" for g in groups)
         if not data:
             return
+        with self._lock:
+            self._append_locked(data)
+
+    def _append_locked(self, data: bytes) -> None:
         fcntl.flock(self._f, fcntl.LOCK_EX)
         try:
             _repair_locked(self._f, self.path)  # a crashed writer's torn line goes first
@@ -206,7 +214,8 @@ class GroupWriter:
             fcntl.flock(self._f, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        self._f.close()
+        with self._lock:
+            self._f.close()
 
     def __enter__(self) -> GroupWriter:
         return self

@@ -102,3 +102,26 @@ def test_killed_writer_never_leaves_a_torn_line_inside(tmp_path):
             writer.append(make_group(seed=10_000 + round_))
         groups = list(read_groups(path))  # strict: raises on any bad line
         assert groups[-1].trajectories[0].tokens == make_group(seed=10_000 + round_).trajectories[0].tokens
+
+
+def test_concurrent_deliveries_to_one_file_keep_every_group(tmp_path):
+    """An env server hands each finished group to its JSONL file from a worker thread
+    (``lachesis env process``, a run's trajectories/*.jsonl), so several appends to one
+    writer can run at once: every group is kept whole, none is set aside as torn."""
+    import asyncio
+
+    from environments.framework.delivery import JSONLDelivery
+
+    path = tmp_path / "groups.jsonl"
+    groups = [make_group(8, 400, seed=i) for i in range(200)]
+
+    async def deliver():
+        delivery = JSONLDelivery(path)
+        try:
+            await asyncio.gather(*(delivery.send(group) for group in groups))
+        finally:
+            await delivery.close()
+
+    asyncio.run(deliver())
+    assert sorted(g.group_id for g in read_groups(path)) == sorted(g.group_id for g in groups)
+    assert not (tmp_path / "groups.jsonl.torn").exists()
