@@ -11,7 +11,8 @@ ceiling: the same work through vLLM's offline ``LLM.generate``, in one run.
    after one warm-up group. Groups of equal scores are kept (so every episode sampled is
    counted and replayed below). Result: episodes/s.
 2. **Engine ceiling.** The server is stopped; in a fresh process, ``vllm.LLM`` loads the
-   same model with the same settings, and the very turns the framework sampled are
+   same model with the same settings, its engine in that process
+   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the faster way on a CPU), and the very turns the framework sampled are
    replayed: for turn k, one ``LLM.generate`` call holds every episode's k-th turn, its
    prompt the episode's recorded context before that turn (prompt, earlier turns, tool
    results) and ``max_tokens`` the number of tokens the framework's turn sampled, with
@@ -174,7 +175,12 @@ def main() -> None:
             print(f"framework, share_identical_requests off: {unshared['episodes']} episodes "
                   f"in {unshared['seconds']:.2f} s = {unshared['episodes_per_s']:.1f} "
                   "episodes/s", flush=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm_settings.get("kv_cache_gib", 1))}
+    # The engine in the script's own process, its worker inside it (no process hop): the
+    # fastest way vLLM CPU runs here (a separate engine core and worker, vLLM's default
+    # for LLM, sampled these turns 1.1-1.8x slower), and the worker is placed as in the
+    # framework's server (VLLMProcess sets the same).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm_settings.get("kv_cache_gib", 1)),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run([sys.executable, __file__, "--model", model, "--ceiling",
                            str(groups_path)], env=env, capture_output=True, text=True,
                           timeout=900)
