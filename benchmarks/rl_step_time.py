@@ -58,8 +58,8 @@ from environments.inference.vllm_process import free_port  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # each: env settings, trainer settings, vLLM args and the run's environment on top of
-    # the quickstart's
+    # each: env settings, trainer settings, vLLM args, vLLM's environment and the run's
+    # environment on top of the quickstart's
     "base": {},
     # before issue 44: 16 rollouts in flight, torch's default threads (one per core, 2 here)
     "before": {"env": {"concurrency": 16}, "environment": {"OMP_NUM_THREADS": "2"}},
@@ -78,6 +78,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # two batches of groups ahead of the trainer instead of one (within max_staleness 2)
     "ahead2": {"env": {"max_queued_groups": 16}},
     "ahead2-stale-kv": {"env": {"max_queued_groups": 16}, "train": {"sync_stale_kv": True}},
+    # vLLM's engine at a torch thread per core, as before its server left a core free
+    "vllm-threads-per-core": {"vllm_env": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}},
 }
 
 
@@ -96,7 +98,9 @@ def run_config(model: str, name: str, steps: int, variant: dict[str, Any],
                        "checkpoint_every": 10_000}
     config["vllm"] = {**config.get("vllm", {}), "port": vllm_port,
                       "args": [*config.get("vllm", {}).get("args", []),
-                               *variant.get("vllm_args", [])]}
+                               *variant.get("vllm_args", [])],
+                      "environment": {**config.get("vllm", {}).get("environment", {}),
+                                      **variant.get("vllm_env", {})}}
     env = config["envs"][0]
     env["settings"] = {**env.get("settings", {}), **variant.get("env", {})}
     return config

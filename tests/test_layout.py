@@ -43,6 +43,20 @@ def config(tmp_path: Path, **changes) -> RunConfig:
     return RunConfig.model_validate({**NODE, "runs_dir": str(tmp_path / "runs"), **changes})
 
 
+def test_vllm_settings_reach_each_replica_and_no_other_process(tmp_path):
+    """``vllm.environment`` goes to every replica (over the run's own environment), not
+    to the other processes; the access log is off unless ``vllm.access_log``."""
+    vllm = {**NODE["vllm"], "environment": {"OMP_NUM_THREADS": "3", "VLLM_SOME_SETTING": "x"}}
+    layout = build_layout(config(tmp_path, vllm=vllm))
+    for replica in layout.replicas:
+        assert replica.env["OMP_NUM_THREADS"] == "3" and replica.env["VLLM_SOME_SETTING"] == "x"
+        assert "--disable-uvicorn-access-log" in replica.command
+    others = [p for p in layout.processes if p not in layout.replicas]
+    assert others and not any("VLLM_SOME_SETTING" in p.env for p in others)
+    logged = build_layout(config(tmp_path, vllm={**vllm, "access_log": True}))
+    assert not any("--disable-uvicorn-access-log" in r.command for r in logged.replicas)
+
+
 def test_each_process_gets_its_devices_ports_and_the_replicas(tmp_path):
     run = config(tmp_path)
     run.check_sections()

@@ -62,6 +62,9 @@ class VLLMSettings(_Section):
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
     args: list[str] = Field(default_factory=list)
     """Extra arguments for the vLLM server."""
+    environment: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of the vLLM servers (e.g. ``OMP_NUM_THREADS``, ``VLLM_*``
+    settings), on top of the run's own."""
     access_log: bool = False
     """A line per HTTP request in the replica's log (uvicorn's access log). Off: every
     turn of every rollout is a request, and those lines would be nearly all of the log."""

@@ -245,12 +245,12 @@ def build_layout(config: RunConfig, model: str | None = None,
                              served_model_name="policy", guarded=True,
                              access_log=v.access_log,
                              extra_args=[*tp_args, *determinism_args, *v.args, *sync_args],
-                             env=sync_env,
+                             env={**v.environment, **sync_env},
                              log_path=logs / f"{name}.log")
         environment = server.environment()
         env = {k: environment[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
                                            "VLLM_ENABLE_V1_MULTIPROCESSING",
-                                           *sync_env) if k in environment}
+                                           *v.environment, *sync_env) if k in environment}
         replicas.append(Process(name, server.command(), logs / f"{name}.log",
                                 env={**env, **place.device_env(name, devices)}, devices=devices,
                                 port=server.port, url=server.url, guarded=True))
