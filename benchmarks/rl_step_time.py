@@ -80,6 +80,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ahead2-stale-kv": {"env": {"max_queued_groups": 16}, "train": {"sync_stale_kv": True}},
     # vLLM's engine at a torch thread per core, as before its server left a core free
     "vllm-threads-per-core": {"vllm_env": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}},
+    # the trainer at a thread per core, vLLM's engine left as its server sets it
+    "trainer-threads-per-core": {"environment": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+                                 "vllm_env": {"OMP_NUM_THREADS": str(
+                                     max(1, (os.cpu_count() or 1) - 1))}},
 }
 
 

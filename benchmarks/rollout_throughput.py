@@ -23,7 +23,10 @@ ceiling: the same work through vLLM's offline ``LLM.generate``, in one run.
    those calls.
 
 The script prints both, the ratio framework / ceiling and whether it meets the goal
-(>= 0.8); ``--json OUT`` writes them. Run it alone (heavy: it starts vLLM twice):
+(>= 0.8); ``--json OUT`` writes them. It also prints the CPU time the server's API server
+and engine core took over the framework's groups, with the engine core's busiest threads
+(an OpenMP thread that spins shows there); ``--vllm-env KEY=VALUE`` sets the server's
+environment (``OMP_NUM_THREADS=2``: its engine at a torch thread per core). Run it alone (heavy: it starts vLLM twice):
 
     flock /tmp/lachesis-heavy.lock .venv/bin/python benchmarks/rollout_throughput.py \\
         --model runs/quickstart/warm_start/final --json /tmp/rollout_throughput.json
@@ -57,8 +60,48 @@ def quickstart() -> tuple[dict[str, Any], dict[str, Any]]:
     return config["envs"][0]["settings"], config.get("vllm", {})
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a ``/proc/.../stat`` file (0 if it is gone)."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def server_threads(pid: int) -> dict[str, float]:
+    """CPU seconds of every thread of the vLLM server (``pid``: its API server) and of its
+    child processes (the engine core), by ``process/thread`` id."""
+    pids = [pid] + [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                    and _parent(p) == pid]
+    return {f"{p}/{t.name}": cpu_s(t / "stat") for p in pids
+            for t in Path(f"/proc/{p}/task").glob("*")}
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def server_cpu(pid: int, before: dict[str, float], after: dict[str, float]
+               ) -> dict[str, Any]:
+    """The API server's and the engine core's CPU seconds between two
+    :func:`server_threads`, and the engine core's busiest threads."""
+    used = {k: after[k] - before.get(k, 0.0) for k in after}
+    api = sum(v for k, v in used.items() if k.startswith(f"{pid}/"))
+    core = sorted((v for k, v in used.items() if not k.startswith(f"{pid}/")), reverse=True)
+    return {"api_server_cpu_s": round(api, 2), "engine_core_cpu_s": round(sum(core), 2),
+            "engine_core_busiest_threads_cpu_s": [round(v, 2) for v in core[:3]]}
+
+
 async def framework(model: str, url: str, groups: int, concurrency: int | None,
-                    out: Path, share: bool = True) -> dict[str, Any]:
+                    out: Path, share: bool = True, server_pid: int | None = None
+                    ) -> dict[str, Any]:
     from environments.envs.arithmetic_tool import ArithmeticToolEnv
 
     settings, _ = quickstart()
@@ -74,15 +117,18 @@ async def framework(model: str, url: str, groups: int, concurrency: int | None,
     try:
         await env.process(out.with_suffix(".warmup.jsonl"), 1)
         before = env.stats.trajectories
+        threads = server_threads(server_pid) if server_pid else {}
         started = time.monotonic()
         await env.process(out, groups)
         seconds = time.monotonic() - started
         episodes = env.stats.trajectories - before
+        cpu = server_cpu(server_pid, threads, server_threads(server_pid)) if server_pid \
+            else {}
     finally:
         await env.close()
     return {"episodes": episodes, "seconds": seconds, "episodes_per_s": episodes / seconds,
             "concurrency": env.config.rollout_slots(), "groups": groups,
-            "failed_groups": env.stats.groups_failed}
+            "failed_groups": env.stats.groups_failed, **cpu}
 
 
 def replay_turns(groups_path: Path) -> list[list[tuple[list[int], int]]]:
@@ -145,6 +191,9 @@ def main() -> None:
     parser.add_argument("--unshared", action="store_true",
                         help="also run the framework with share_identical_requests off "
                         "(one request per rollout's first turn), after the default")
+    parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable of the framework's vLLM server "
+                        "(repeatable), e.g. OMP_NUM_THREADS=2")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--ceiling", help=argparse.SUPPRESS)  # internal: GROUPS.jsonl
     args = parser.parse_args()
@@ -162,12 +211,16 @@ def main() -> None:
     groups_path = workdir / "groups.jsonl"
     with VLLMProcess(model, max_model_len=vllm_settings.get("max_model_len", 1024),
                      kv_cache_space_gib=vllm_settings.get("kv_cache_gib", 1),
+                     env=dict(kv.split("=", 1) for kv in args.vllm_env),
                      log_path=workdir / "vllm.log") as server:
         side = asyncio.run(framework(model, server.url, args.groups, args.concurrency,
-                                     groups_path))
+                                     groups_path, server_pid=server.proc.pid))
         print(f"framework: {side['episodes']} episodes in {side['seconds']:.2f} s = "
               f"{side['episodes_per_s']:.1f} episodes/s (concurrency {side['concurrency']})",
               flush=True)
+        print(f"  vLLM's CPU meanwhile: API server {side['api_server_cpu_s']} s, engine core "
+              f"{side['engine_core_cpu_s']} s (busiest threads "
+              f"{side['engine_core_busiest_threads_cpu_s']})", flush=True)
         unshared = None
         if args.unshared:
             unshared = asyncio.run(framework(model, server.url, args.groups, args.concurrency,
@@ -177,8 +230,8 @@ def main() -> None:
                   "episodes/s", flush=True)
     # The engine in the script's own process, its worker inside it (no process hop): the
     # fastest way vLLM CPU runs here (a separate engine core and worker, vLLM's default
-    # for LLM, sampled these turns 1.1-1.8x slower), and the worker is placed as in the
-    # framework's server (VLLMProcess sets the same).
+    # for LLM, sampled these turns 1.1-1.8x slower); torch's threads as vLLM leaves them
+    # (one per core: alone on the machine, 1 or 2 threads sampled as fast here).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm_settings.get("kv_cache_gib", 1)),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run([sys.executable, __file__, "--model", model, "--ceiling",

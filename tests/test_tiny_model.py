@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
+import subprocess
+import sys
 import time
 import unicodedata
 import urllib.request
 
 import pytest
+from conftest import REPO
 
 from environments.inference.vllm_process import VLLMProcess, VLLMProcessError
 from lachesis.tiny_model import (
@@ -227,6 +231,40 @@ def _post(url, body, timeout=300):
         return json.loads(response.read())
 
 
+ENGINE_THREADS = """
+import sys
+import torch
+from environments.inference.vllm_serve import fork_engine_core_on_cpu
+from vllm.engine.arg_utils import EngineArgs
+fork_engine_core_on_cpu()
+config = EngineArgs(model=sys.argv[1], enforce_eager=True, max_model_len=256
+                    ).create_engine_config()
+print(config.parallel_config.distributed_executor_backend, torch.get_num_threads())
+"""
+
+
+def test_a_cpu_server_leaves_a_core_to_its_scheduler(tiny_model_dir, monkeypatch):
+    """The worker inside the engine core (VLLMProcess's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    runs torch on every core but one, as vLLM's own worker process would, instead of a
+    thread per core whose spinning takes the scheduler's core. Checked where vLLM's server
+    sets it, its config (the engine core is forked from that process after it), in a
+    process without ``OMP_NUM_THREADS``; with it, its count stays."""
+    import torch
+
+    from environments.inference.vllm_serve import leave_a_core_to_the_scheduler
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", ENGINE_THREADS, str(tiny_model_dir)],
+                          env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["uni", str(max(1, (os.cpu_count() or 1) - 1))]
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads + 1))
+    leave_a_core_to_the_scheduler()
+    assert torch.get_num_threads() == threads
+
+
 def test_vllm_token_in_token_out(vllm_server, tokenizer):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi ✓"}],
                                            add_generation_prompt=True, tokenize=True,
@@ -255,8 +293,8 @@ def test_vllm_token_in_token_out(vllm_server, tokenizer):
     assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == im_end
     assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 4
     # no line per request in the server's log (VLLMProcess's access_log, off by default)
-    assert "Application startup complete" in vllm_server.log_path.read_text()
-    assert "POST /v1/completions" not in vllm_server.log_path.read_text()
+    log = vllm_server.log_path.read_text()
+    assert "Application startup complete" in log and "POST /v1/completions" not in log
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,10 @@ after the fork, as spawned). Everything else vLLM decides stays as it is: where 
 spawn (inside a Ray actor, with ``--numa-bind``) it still does, and a GPU server is not
 touched (the CPU platform's config hook never runs there). ``VLLM_WORKER_MULTIPROC_METHOD``
 set to ``spawn`` in the environment keeps vLLM's own choice.
+
+Where the worker runs inside the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which
+``VLLMProcess`` sets), it gets every core but one for its torch threads, as vLLM gives its
+own worker process (:func:`leave_a_core_to_the_scheduler`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,30 @@ def fork_engine_core_on_cpu() -> bool:
         hook(cls, vllm_config)
         if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        if vllm_config.parallel_config.distributed_executor_backend == "uni":
+            leave_a_core_to_the_scheduler()
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     return True
+
+
+def leave_a_core_to_the_scheduler() -> None:
+    """The worker inside the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what
+    :class:`~environments.inference.vllm_process.VLLMProcess` starts on a CPU) gets the
+    threads vLLM's own worker process would: every core but one, which its scheduler keeps
+    (vLLM binds them only in a worker process of its own, and its CPU worker then refuses
+    to lower torch's threads, so they stayed at one per core). With a thread per core, the
+    engine's OpenMP threads spin on the core the scheduler, the API server and the env
+    need: on 2 cores the engine core took 1.6-1.7 cores to serve the quickstart's rollouts.
+    ``OMP_NUM_THREADS`` in the environment keeps its own count."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    threads = max(1, (os.cpu_count() or 1) - 1)
+    torch.set_num_threads(threads)
+    print(f"lachesis: the engine's worker runs {threads} torch thread(s): every core but one "
+          "(OMP_NUM_THREADS sets another count)", file=sys.stderr, flush=True)
 
 
 def main() -> None:
