@@ -112,7 +112,9 @@ def run_config(model: str, name: str, steps: int, variant: dict[str, Any],
 
 LABELS = [  # (a part of the process's comm or command line, which, its label), first match
     ("EngineCor", "comm", "vllm engine core"), ("Worker", "comm", "vllm worker"),
-    ("vllm.entrypoints", "cmd", "vllm API server"), ("lachesis.cli api", "cmd", "rollout API"),
+    ("vllm.entrypoints", "cmd", "vllm API server"),
+    ("environments.inference.vllm_serve", "cmd", "vllm API server"),
+    ("lachesis.cli api", "cmd", "rollout API"),
     ("lachesis.cli env serve", "cmd", "env server"), ("lachesis.cli train", "cmd", "trainer"),
     ("torch.distributed.run", "cmd", "trainer"),
     ("lachesis.cli run", "cmd", "lachesis run (supervisor)")]
