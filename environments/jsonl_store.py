@@ -3,10 +3,10 @@
 Writing: :class:`GroupWriter` appends complete lines with a single ``write`` under an
 exclusive ``flock`` (between processes) and a lock of its own (between the threads that
 share it: ``flock`` does not exclude two users of one open file), and (by default)
-``fsync``s them. A crash can still cut the last write short; the next writer to open the file finds the torn tail (the bytes after the
-last newline), moves it to ``FILE.torn`` and truncates it away before appending, so a
-torn line never sits in the middle of the file. Readers skip a final line without its
-newline and report it as torn.
+``fsync``s them. A crash can still cut the last write short; the next writer to open the
+file finds the torn tail (the bytes after the last newline), moves it to ``FILE.torn``
+and truncates it away before appending, so a torn line never sits in the middle of the
+file. Readers skip a final line without its newline and report it as torn.
 
 Reading: :func:`read_groups` streams line by line (constant memory);
 :func:`iter_located_groups` also gives each group's line number and byte offset, and
