@@ -54,6 +54,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from environments.inference.vllm_process import free_port  # noqa: E402
+from environments.inference.vllm_serve import worker_threads  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -82,8 +83,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "vllm-threads-per-core": {"vllm_env": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}},
     # the trainer at a thread per core, vLLM's engine left as its server sets it
     "trainer-threads-per-core": {"environment": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
-                                 "vllm_env": {"OMP_NUM_THREADS": str(
-                                     max(1, (os.cpu_count() or 1) - 1))}},
+                                 "vllm_env": {"OMP_NUM_THREADS": str(worker_threads())}},
 }
 
 

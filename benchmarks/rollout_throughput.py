@@ -12,21 +12,22 @@ ceiling: the same work through vLLM's offline ``LLM.generate``, in one run.
    counted and replayed below). Result: episodes/s.
 2. **Engine ceiling.** The server is stopped; in a fresh process, ``vllm.LLM`` loads the
    same model with the same settings, its engine in that process
-   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the faster way on a CPU), and the very turns the framework sampled are
-   replayed: for turn k, one ``LLM.generate`` call holds every episode's k-th turn, its
-   prompt the episode's recorded context before that turn (prompt, earlier turns, tool
-   results) and ``max_tokens`` the number of tokens the framework's turn sampled, with
-   ``ignore_eos`` so exactly that many are sampled (same temperature, ``logprobs=0`` as
-   the framework asks). Turn k+1 needs turn k's tool result, so the turns go in
-   ``max_turns`` batches, the fastest a multi-turn episode can go on this engine. One
-   untimed warm-up call first. Result: episodes/s = episodes / the summed seconds of
-   those calls.
+   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the faster way on a CPU), and the very turns the
+   framework sampled are replayed: for turn k, one ``LLM.generate`` call holds every
+   episode's k-th turn, its prompt the episode's recorded context before that turn
+   (prompt, earlier turns, tool results) and ``max_tokens`` the number of tokens the
+   framework's turn sampled, with ``ignore_eos`` so exactly that many are sampled (same
+   temperature, ``logprobs=0`` as the framework asks). Turn k+1 needs turn k's tool
+   result, so the turns go in ``max_turns`` batches, the fastest a multi-turn episode can
+   go on this engine. One untimed warm-up call first. Result: episodes/s = episodes / the
+   summed seconds of those calls.
 
 The script prints both, the ratio framework / ceiling and whether it meets the goal
 (>= 0.8); ``--json OUT`` writes them. It also prints the CPU time the server's API server
 and engine core took over the framework's groups, with the engine core's busiest threads
 (an OpenMP thread that spins shows there); ``--vllm-env KEY=VALUE`` sets the server's
-environment (``OMP_NUM_THREADS=2``: its engine at a torch thread per core). Run it alone (heavy: it starts vLLM twice):
+environment (``OMP_NUM_THREADS=2``: its engine at a torch thread per core). Run it alone
+(heavy: it starts vLLM twice):
 
     flock /tmp/lachesis-heavy.lock .venv/bin/python benchmarks/rollout_throughput.py \\
         --model runs/quickstart/warm_start/final --json /tmp/rollout_throughput.json
@@ -60,43 +61,48 @@ def quickstart() -> tuple[dict[str, Any], dict[str, Any]]:
     return config["envs"][0]["settings"], config.get("vllm", {})
 
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+def server_cpu_snapshot(pid: int) -> tuple[float, float, dict[str, float]]:
+    """The vLLM server's CPU seconds so far (``pid``: its API server): the whole server,
+    its child processes (the engine core), and each thread of those children."""
+    from lachesis.run.processes import tree_cpu_seconds
+
+    threads = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _parent(proc) == pid:
+            for task in (proc / "task").glob("*"):
+                threads[f"{proc.name}/{task.name}"] = _cpu_s(task / "stat")
+    return (tree_cpu_seconds(pid), tree_cpu_seconds(pid, include_root=False), threads)
 
 
-def cpu_s(stat: Path) -> float:
-    """User + system CPU seconds from a ``/proc/.../stat`` file (0 if it is gone)."""
-    try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def server_threads(pid: int) -> dict[str, float]:
-    """CPU seconds of every thread of the vLLM server (``pid``: its API server) and of its
-    child processes (the engine core), by ``process/thread`` id."""
-    pids = [pid] + [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                    and _parent(p) == pid]
-    return {f"{p}/{t.name}": cpu_s(t / "stat") for p in pids
-            for t in Path(f"/proc/{p}/task").glob("*")}
+def _stat_fields(stat: Path) -> list[str]:
+    return stat.read_text().rsplit(")", 1)[1].split()
 
 
 def _parent(proc: Path) -> int | None:
     try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        return int(_stat_fields(proc / "stat")[1])
     except (OSError, ValueError, IndexError):
         return None
 
 
-def server_cpu(pid: int, before: dict[str, float], after: dict[str, float]
-               ) -> dict[str, Any]:
+def _cpu_s(stat: Path) -> float:
+    """User + system CPU seconds of one thread (0 if it is gone)."""
+    try:
+        fields = _stat_fields(stat)
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(before: tuple[float, float, dict[str, float]],
+               after: tuple[float, float, dict[str, float]]) -> dict[str, Any]:
     """The API server's and the engine core's CPU seconds between two
-    :func:`server_threads`, and the engine core's busiest threads."""
-    used = {k: after[k] - before.get(k, 0.0) for k in after}
-    api = sum(v for k, v in used.items() if k.startswith(f"{pid}/"))
-    core = sorted((v for k, v in used.items() if not k.startswith(f"{pid}/")), reverse=True)
-    return {"api_server_cpu_s": round(api, 2), "engine_core_cpu_s": round(sum(core), 2),
-            "engine_core_busiest_threads_cpu_s": [round(v, 2) for v in core[:3]]}
+    :func:`server_cpu_snapshot`, and the engine core's busiest threads."""
+    core = after[1] - before[1]
+    busiest = sorted((v - before[2].get(k, 0.0) for k, v in after[2].items()), reverse=True)
+    return {"api_server_cpu_s": round(after[0] - before[0] - core, 2),
+            "engine_core_cpu_s": round(core, 2),
+            "engine_core_busiest_threads_cpu_s": [round(v, 2) for v in busiest[:3]]}
 
 
 async def framework(model: str, url: str, groups: int, concurrency: int | None,
@@ -117,13 +123,12 @@ async def framework(model: str, url: str, groups: int, concurrency: int | None,
     try:
         await env.process(out.with_suffix(".warmup.jsonl"), 1)
         before = env.stats.trajectories
-        threads = server_threads(server_pid) if server_pid else {}
+        cpu_before = server_cpu_snapshot(server_pid) if server_pid else None
         started = time.monotonic()
         await env.process(out, groups)
         seconds = time.monotonic() - started
         episodes = env.stats.trajectories - before
-        cpu = server_cpu(server_pid, threads, server_threads(server_pid)) if server_pid \
-            else {}
+        cpu = server_cpu(cpu_before, server_cpu_snapshot(server_pid)) if server_pid else {}
     finally:
         await env.close()
     return {"episodes": episodes, "seconds": seconds, "episodes_per_s": episodes / seconds,

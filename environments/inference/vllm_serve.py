@@ -64,10 +64,15 @@ def leave_a_core_to_the_scheduler() -> None:
         return
     import torch
 
-    threads = max(1, (os.cpu_count() or 1) - 1)
+    threads = worker_threads()
     torch.set_num_threads(threads)
     print(f"lachesis: the engine's worker runs {threads} torch thread(s): every core but one "
           "(OMP_NUM_THREADS sets another count)", file=sys.stderr, flush=True)
+
+
+def worker_threads() -> int:
+    """Every core but one, at least one."""
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def main() -> None:
