@@ -23,8 +23,10 @@ Variants (``--variants``, comma-separated): ``base`` is the configuration as the
 quickstart has it now; ``before`` restores the defaults before issue 44 (16 rollouts in
 flight, the trainer at torch's default of a thread per core: ``OMP_NUM_THREADS=2`` on 2
 cores, set for the whole run as torch would), the others change one thing (see
-``VARIANTS``). ``--json OUT``
-writes everything.
+``VARIANTS``). ``--checkout NAME=DIR`` adds a variant ``NAME``: ``base``'s settings run
+by another checkout's code (e.g. ``git worktree add /tmp/before main``), to measure a
+change of code side by side. Every run starts from ``--workdir`` with only its variant's
+checkout on the ``PYTHONPATH``. ``--json OUT`` writes everything.
 
     .venv/bin/python benchmarks/rl_step_time.py --model runs/quickstart/warm_start/final \\
         --steps 12 --variants before,base --json /tmp/steps.json
@@ -71,7 +73,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "c64-block32": {"env": {"concurrency": 64}, "vllm_args": ["--block-size", "32"]},
     "c64-omp1": {"env": {"concurrency": 64}, "environment": {"OMP_NUM_THREADS": "1"}},
     # the trainer's poll for its next batch before it became 0.05 s
-    "poll0.5": {"train": {"lease_poll_s": 0.5}},
+    "poll0.5": {"train": {"lease_poll_s": 0.5, "lease_wait_s": 0}},
     # a request per rollout's first turn, instead of one per group (n = group size)
     "unshared": {"env": {"share_identical_requests": False}},
     # the frozen requests keep the old weights' keys/values across a sync
@@ -79,6 +81,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # two batches of groups ahead of the trainer instead of one (within max_staleness 2)
     "ahead2": {"env": {"max_queued_groups": 16}},
     "ahead2-stale-kv": {"env": {"max_queued_groups": 16}, "train": {"sync_stale_kv": True}},
+    # vLLM compiles the model (torch.compile, inductor) instead of running it eagerly
+    "compiled": {"vllm_args": ["--no-enforce-eager"]},
     # vLLM's engine at a torch thread per core, as before its server left a core free
     "vllm-threads-per-core": {"vllm_env": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}},
     # the trainer at a thread per core, vLLM's engine left as its server sets it
@@ -205,14 +209,19 @@ def measure(name: str, variant: dict[str, Any], args: argparse.Namespace) -> dic
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     token = secrets.token_urlsafe(24)
+    # from the workdir, not a checkout (``python -m`` puts the directory it starts in first
+    # on the path): the variant's code is the one its PYTHONPATH names
+    cwd = Path(args.workdir).resolve()
     environment = {**os.environ, "LACHESIS_API_TOKEN": token,
-                   "PYTHONPATH": str(REPO_ROOT), **variant.get("environment", {})}
-    run_dir = Path("runs") / run_name
+                   "PYTHONPATH": variant.get("checkout", str(REPO_ROOT)),
+                   **variant.get("environment", {})}
+    run_dir = cwd / "runs" / run_name
     metrics_path = run_dir / "trainer" / "metrics.jsonl"
     log_path = Path(args.workdir) / f"{run_name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lachesis.cli", "run", str(config_path),
-                                 "--fresh"], env=environment, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "lachesis.cli", "run",
+                                 str(config_path.resolve()), "--fresh"], env=environment,
+                                cwd=cwd, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     window: dict[str, Any] = {}
@@ -378,12 +387,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--workdir", default="runs/bench-steps")
+    parser.add_argument("--checkout", action="append", default=[], metavar="NAME=DIR",
+                        help="a variant NAME: base's settings, run by the code of the "
+                        "checkout in DIR (repeatable)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--py-spy", help="a py-spy binary: profile the env server, the "
                         "rollout API and vLLM's processes over the timed steps")
     parser.add_argument("--py-spy-seconds", type=int, default=20)
     args = parser.parse_args()
     check_model(args.model)
+    for spec in args.checkout:
+        name, _, where = spec.partition("=")
+        if not name or not Path(where, "lachesis", "__init__.py").exists():
+            sys.exit(f"--checkout {spec}: give NAME=DIR, DIR a checkout of this project")
+        VARIANTS[name] = {"checkout": str(Path(where).resolve())}
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

@@ -151,13 +151,13 @@ def replay_turns(groups_path: Path) -> list[list[tuple[list[int], int]]]:
     return by_turn
 
 
-def ceiling(model: str, groups_path: Path) -> dict[str, Any]:
+def ceiling(model: str, groups_path: Path, eager: bool = True) -> dict[str, Any]:
     """Runs in its own process (``--ceiling``): the recorded turns through ``LLM.generate``."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     settings, vllm_settings = quickstart()
-    llm = LLM(model=model, dtype="float32", enforce_eager=True,
+    llm = LLM(model=model, dtype="float32", enforce_eager=eager,
               max_model_len=vllm_settings.get("max_model_len", 1024),
               gpu_memory_utilization=0.3, seed=0)
     by_turn = replay_turns(groups_path)
@@ -199,6 +199,9 @@ def main() -> None:
     parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable of the framework's vLLM server "
                         "(repeatable), e.g. OMP_NUM_THREADS=2")
+    parser.add_argument("--compiled", action="store_true",
+                        help="both engines without --enforce-eager (vLLM compiles the model "
+                        "with torch.compile at start)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--ceiling", help=argparse.SUPPRESS)  # internal: GROUPS.jsonl
     args = parser.parse_args()
@@ -206,7 +209,8 @@ def main() -> None:
     if not Path(model, "config.json").exists():
         sys.exit(f"--model {args.model}: no HF model there (run `make demo` first)")
     if args.ceiling:
-        print("CEILING " + json.dumps(ceiling(model, Path(args.ceiling))), flush=True)
+        print("CEILING " + json.dumps(ceiling(model, Path(args.ceiling), not args.compiled)),
+              flush=True)
         return
 
     from environments.inference.vllm_process import VLLMProcess
@@ -217,6 +221,7 @@ def main() -> None:
     with VLLMProcess(model, max_model_len=vllm_settings.get("max_model_len", 1024),
                      kv_cache_space_gib=vllm_settings.get("kv_cache_gib", 1),
                      env=dict(kv.split("=", 1) for kv in args.vllm_env),
+                     enforce_eager=not args.compiled,
                      log_path=workdir / "vllm.log") as server:
         side = asyncio.run(framework(model, server.url, args.groups, args.concurrency,
                                      groups_path, server_pid=server.proc.pid))
@@ -240,7 +245,7 @@ def main() -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm_settings.get("kv_cache_gib", 1)),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run([sys.executable, __file__, "--model", model, "--ceiling",
-                           str(groups_path)], env=env, capture_output=True, text=True,
+                           str(groups_path)] + (["--compiled"] if args.compiled else []), env=env, capture_output=True, text=True,
                           timeout=900)
     line = next((x for x in done.stdout.splitlines() if x.startswith("CEILING ")), None)
     if done.returncode != 0 or line is None:

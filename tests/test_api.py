@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import time
 
 import aiohttp
 import orjson
@@ -435,8 +436,8 @@ def test_a_group_delivered_while_a_status_poll_is_in_flight_still_counts(tmp_pat
     env = BaseEnv(EnvConfig(max_queued_groups=2))
 
     class DeliversDuringThePoll(RolloutAPIClient):
-        async def env_status(self, env_id):
-            answer = await super().env_status(env_id)  # the API's count, before ...
+        async def env_status(self, env_id, **wait):
+            answer = await super().env_status(env_id, **wait)  # the API's count, before ...
             await _deliver(env, APIDelivery(self, tmp_path / "spool.jsonl"),
                            make_group(env_id=env_id, seed=env.stats.groups_sent))  # ... this
             return answer
@@ -452,6 +453,120 @@ def test_a_group_delivered_while_a_status_poll_is_in_flight_still_counts(tmp_pat
                 assert env.queued_groups == held
 
     run(scenario())
+
+
+def test_a_paced_env_starts_its_next_groups_when_the_trainer_leases_not_at_its_next_poll(
+        tmp_path):
+    """An env held by ``max_queued_groups`` learns of the trainer's lease from its long
+    poll of ``/status-env`` the moment it happens: its next groups are pushed at once,
+    although the env would otherwise poll only every 30 s here."""
+    from environments import BaseEnv, EnvConfig
+    from environments.framework.delivery import APIDelivery
+    from environments.framework.runner import follow_status, poll_status, run_groups
+
+    class Instant(BaseEnv):
+        async def get_next_item(self):
+            return {"id": "x"}
+
+        async def collect_group(self, item):
+            return make_group(env_id=self.env_id, seed=self.stats.groups_sent)
+
+    env = Instant(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4))
+
+    async def scenario():
+        async with running_api() as (url, _), RolloutAPIClient(url) as client, \
+                RolloutAPIClient(url) as trainer:
+            env.env_id = (await client.register_env("e", group_size=2,
+                                                    max_token_length=64))["env_id"]
+            await trainer.register_trainer(batch_size=4, max_token_len=64)
+            await poll_status(env, client)
+            poller = asyncio.create_task(follow_status(env, client, interval_s=30.0))
+            groups = asyncio.create_task(run_groups(env, APIDelivery(client, tmp_path / "s"),
+                                                    None))
+            while env.stats.groups_sent < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            held = env.stats.groups_sent  # the limit holds the env at 2 queued groups
+            leased = await trainer.lease()
+            started = time.monotonic()
+            while env.stats.groups_sent < 4 and time.monotonic() - started < 10:
+                await asyncio.sleep(0.01)
+            refilled_after = time.monotonic() - started
+            groups.cancel()
+            poller.cancel()
+            return held, len(leased.groups), env.stats.groups_sent, refilled_after
+
+    held, leased, sent, refilled_after = run(scenario())
+    assert (held, leased) == (2, 2)
+    # at once: not at the 30 s poll, nor when the long poll would time out (2 s)
+    assert sent == 4 and refilled_after < 1.0
+
+
+def test_status_env_long_polls_for_a_lease_or_a_new_version_and_answers_atropos_at_once():
+    """``/status-env`` with ``wait_s`` answers when the env's queue is no longer
+    ``self_queue_size`` or the policy version no longer ``policy_version``; without it,
+    at once (an Atropos env's poll); a malformed wait is a 422 naming the field."""
+    async def scenario():
+        async with running_api() as (url, _), RolloutAPIClient(url) as client, \
+                RolloutAPIClient(url) as trainer:
+            env_id = (await client.register_env("e", group_size=2,
+                                                max_token_length=64))["env_id"]
+            await trainer.register_trainer(batch_size=4, max_token_len=64)
+            for seed in range(2):
+                await client.push_group(make_group(env_id=env_id, seed=seed))
+            now = await client.env_status(env_id)
+            assert now["self_queue_size"] == 2 and now["policy_version"] is None
+            waiting = asyncio.ensure_future(client.env_status(
+                env_id, wait_s=30, self_queue_size=2, policy_version=None))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # nothing changed: still waiting
+            await trainer.push_group(make_group(env_id=7, seed=9))  # another env's: not it
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            await trainer.lease()
+            after_lease = await asyncio.wait_for(waiting, 5)
+            version = asyncio.ensure_future(client.env_status(
+                env_id, wait_s=30, self_queue_size=1, policy_version=None))
+            await asyncio.sleep(0.3)
+            assert not version.done()
+            await trainer.set_policy_version(1)
+            after_version = await asyncio.wait_for(version, 5)
+            errors = []
+            for query in ("wait_s=-1", "wait_s=2", "wait_s=1&self_queue_size=x"):
+                with pytest.raises(APIRequestError) as error:
+                    await client.request("GET", f"/status-env?env_id={env_id}&{query}")
+                errors.append((error.value.status, error.value.body.get("field")))
+            return after_lease, after_version, errors
+
+    after_lease, after_version, errors = run(scenario())
+    assert after_lease["self_queue_size"] < 2  # the lease took its groups
+    assert after_version["policy_version"] == 1
+    assert errors == [(422, "wait_s"), (422, "wait_s"), (422, "self_queue_size")]
+
+
+def test_a_waiting_lease_is_answered_by_the_push_that_completes_the_batch():
+    """``/lease`` with ``wait_s``: the trainer's request waits in the API and gets the
+    batch the moment its last group arrives; with nothing coming, an empty answer (and
+    the reason) after ``wait_s``."""
+    async def scenario():
+        async with running_api() as (url, _), RolloutAPIClient(url) as env, \
+                RolloutAPIClient(url) as trainer:
+            await trainer.register_trainer(batch_size=4, max_token_len=64)
+            await env.push_group(make_group(seed=0))
+            started = time.monotonic()
+            assert await trainer.lease(wait_s=0.3) is None  # half a batch: waits, then no
+            waited = time.monotonic() - started
+            reason = trainer.no_batch_reason
+            lease = asyncio.ensure_future(trainer.lease(wait_s=30))
+            await asyncio.sleep(0.3)
+            assert not lease.done()
+            await env.push_group(make_group(seed=1))
+            leased = await asyncio.wait_for(lease, 5)
+            return waited, reason, len(leased.groups)
+
+    waited, reason, groups = run(scenario())
+    assert waited >= 0.3 and "fewer than batch_size 4" in reason
+    assert groups == 2
 
 
 def test_a_batch_waits_up_to_mix_wait_s_for_the_env_its_weights_owe_and_a_restart_keeps_the_mix(

@@ -45,9 +45,13 @@ class TrainConfig(BaseModel):
     compute); works with FSDP2."""
     max_token_length: int = Field(default=2048, ge=8)
     steps: int = Field(default=100, ge=1)
+    lease_wait_s: float = Field(default=1.0, ge=0, le=60)
+    """How long one ``/lease`` waits in the rollout API for the batch to be complete: the
+    API answers the moment it is (0: answered at once, and asked again every
+    ``lease_poll_s``)."""
     lease_poll_s: float = Field(default=0.05, gt=0)
-    """How often the trainer asks the rollout API for its next batch while none is ready
-    (an empty ``/lease`` costs the API microseconds). Every step waits up to this long after
+    """How often the trainer asks the rollout API for its next batch while none is ready,
+    where the API does not wait (``lease_wait_s``). Every step waits up to this long after
     its batch is complete: at 0.5 s the quickstart's median step took 1.29 s against 1.02 s
     at 0.05 s (``benchmarks/rl_step_time.py --variants base,poll0.5``)."""
     batch_wait_warning_s: float = Field(default=120.0, gt=0)

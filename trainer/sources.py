@@ -187,7 +187,11 @@ class APIBatches:
         limit = self.config.max_batch_wait_s
         warn_at = start + self.config.batch_wait_warning_s
         while True:
-            leased = await self.client.lease(self.config.batch_size)
+            asked = time.monotonic()
+            wait_s = min(self.config.lease_wait_s, max(0.0, warn_at - asked))
+            if limit is not None:  # back in time to give up
+                wait_s = min(wait_s, max(0.0, limit - (asked - since)))
+            leased = await self.client.lease(self.config.batch_size, wait_s=round(wait_s, 3))
             if leased is not None:
                 for rejected in leased.rejected:
                     log.error("setting aside %s", rejected)
@@ -203,7 +207,8 @@ class APIBatches:
                             self.config.batch_size, now - start,
                             self.client.no_batch_reason or "no reason given")
                 warn_at += self.config.batch_wait_warning_s
-            await asyncio.sleep(self.config.lease_poll_s)
+            if time.monotonic() - asked < wait_s / 2 or not wait_s:
+                await asyncio.sleep(self.config.lease_poll_s)  # an API that did not wait
 
     async def next(self, since: float | None = None) -> Batch:
         """Rank 0 leases (or gives up after ``max_batch_wait_s``) and tells the others."""

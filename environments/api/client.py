@@ -152,8 +152,19 @@ class RolloutAPIClient:
                                for g in groups) + b"]"
         return await self.request("POST", "/scored_data_list", body=body)
 
-    async def env_status(self, env_id: int) -> dict[str, Any]:
-        return await self.request("GET", f"/status-env?env_id={env_id}")
+    async def env_status(self, env_id: int, *, wait_s: float = 0.0,
+                         self_queue_size: int | None = None,
+                         policy_version: int | None = None) -> dict[str, Any]:
+        """The env's status; with ``wait_s``, a long poll: answered as soon as the env's
+        own queue is no longer ``self_queue_size`` groups or the policy version no longer
+        ``policy_version``, or after ``wait_s`` (``StatusWait``)."""
+        query = f"env_id={env_id}"
+        if wait_s:
+            query += f"&wait_s={wait_s:g}&policy_version=" + \
+                ("null" if policy_version is None else str(policy_version))
+            if self_queue_size is not None:
+                query += f"&self_queue_size={self_queue_size}"
+        return await self.request("GET", f"/status-env?{query}")
 
     # -- trainer ----------------------------------------------------------------------------
     async def register_trainer(self, *, batch_size: int, max_token_len: int,
@@ -162,11 +173,14 @@ class RolloutAPIClient:
             "batch_size": batch_size, "max_token_len": max_token_len, **fields})
 
     async def lease(self, batch_size: int | None = None,
-                    trainer_id: str | None = None) -> LeasedBatch | None:
+                    trainer_id: str | None = None, wait_s: float = 0.0
+                    ) -> LeasedBatch | None:
         """Lease the next batch, or None when not enough data is queued yet (the API's
-        reason is then in :attr:`no_batch_reason`)."""
+        reason is then in :attr:`no_batch_reason`); ``wait_s``: the API waits up to that
+        long for the batch to be complete."""
         data = await self.request("POST", "/lease",
-                                  {"batch_size": batch_size, "trainer_id": trainer_id})
+                                  {"batch_size": batch_size, "trainer_id": trainer_id,
+                                   **({"wait_s": wait_s} if wait_s else {})})
         if data["batch"] is None:
             self.no_batch_reason = data.get("reason")
             return None

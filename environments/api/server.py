@@ -53,6 +53,7 @@ from environments.api.schemas import (
     RegisterEnv,
     Registration,
     Resume,
+    StatusWait,
 )
 from environments.api.wire import (
     AcceptedGroup,
@@ -152,6 +153,9 @@ class RolloutAPI:
         self._latest_body: bytes | None = None
         self._expiry_task: asyncio.Task | None = None
         self._recent_acks: dict[str, None] = dict.fromkeys(loaded.acked)  # ordered, bounded
+        self._changed = asyncio.Event()
+        """Set (and replaced) when the queue, the leases or the policy version may have
+        changed: long-polling ``/status-env`` requests look again."""
         if self.queue or self.leases:
             log.info("resumed %d queued groups and %d leases from %s",
                      len(self.queue), len(self.leases), config.db_path)
@@ -261,12 +265,28 @@ class RolloutAPI:
         finally:
             self._flushing = False
 
+    def changed(self) -> None:
+        """The state may have changed (a request that writes was answered, a lease
+        expired): wake the requests waiting for a change."""
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Until :meth:`changed` is next called, or ``timeout_s`` passed."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
     # -- batches ------------------------------------------------------------------------
     async def _expire_leases(self) -> None:
         now = time.time()
-        for lease in [l for l in self.leases.values() if l.expires_at <= now]:
+        expired = [l for l in self.leases.values() if l.expires_at <= now]
+        for lease in expired:
             await self.return_lease(lease, {"leases_expired": 1,
                                              "redelivered_groups": len(lease.groups)})
+        if expired:
+            self.changed()
 
     async def _expire_leases_forever(self) -> None:
         period = min(1.0, self.config.lease_timeout_s / 4)
@@ -554,6 +574,8 @@ class RolloutAPI:
         queued = sum(g.n_sequences for g in self.queue.values())
         return {
             "current_step": self.step,
+            "policy_version": self.policy_version,
+            "policy_model": self.policy_model,
             "queue_size": (own if self.config.status_env_own_queue else queued)
             // env.group_size,
             "self_queue_size": own // env.group_size,
@@ -619,7 +641,10 @@ async def errors_as_json(request: web.Request, handler):
                 and not token_matches(request.headers.get("Authorization"), api.config.token):
             api.count_rejection("unauthorized")
             raise APIError(401, "missing or wrong bearer token (Authorization header)")
-        return await handler(request)
+        response = await handler(request)
+        if request.method != "GET" or request.path == "/batch":  # it may have changed state
+            api.changed()
+        return response
     except APIError as error:
         body = {"error": error.message, **({"field": error.field} if error.field else {}),
                 **error.extra}
@@ -676,6 +701,11 @@ async def handle_batch(request: web.Request) -> web.Response:
     return batch_body(bodies)
 
 
+LEASE_RECHECK_S = 0.25
+"""A waiting ``/lease`` (``wait_s``) looks at the queue at least this often: batching has
+rules that wait on the clock too (``mix_wait_s``)."""
+
+
 async def handle_lease(request: web.Request) -> web.Response:
     api = request.app[API_KEY]
     req = await parse(request, LeaseRequest, allow_empty=True)
@@ -684,6 +714,11 @@ async def handle_lease(request: web.Request) -> web.Response:
         raise APIError(409, "no batch_size: give one or register the trainer first",
                        field="batch_size")
     leased = await api.lease_batch(batch_size, req.trainer_id)
+    deadline = time.monotonic() + req.wait_s
+    while leased is None and (left := deadline - time.monotonic()) > 0:
+        # woken by a push; a batch held for an env (mix_wait_s) is looked at again soon
+        await api.wait_for_change(min(left, LEASE_RECHECK_S))
+        leased = await api.lease_batch(batch_size, req.trainer_id)
     if leased is None:
         return batch_body(None, lease_id=None, step=api.step,
                           reason=api.why_no_batch(batch_size))
@@ -787,7 +822,21 @@ async def handle_status_env(request: web.Request) -> web.Response:
             raise APIError(422, "env_id must be an integer", field="env_id") from None
     else:
         env_id = (await parse(request, EnvIdentifier)).env_id
-    return json_response(api.env_status(env_id))
+    try:
+        wait = StatusWait.from_query(request.query)
+    except (ValidationError, ValueError) as error:
+        api.count_rejection("invalid")
+        if isinstance(error, ValidationError):
+            first = error.errors()[0]
+            raise APIError(422, f"{field_path(first['loc'])}: {first['msg']}",
+                           field=field_path(first["loc"])) from None
+        raise APIError(422, str(error), field="wait_s") from None
+    status = api.env_status(env_id)
+    deadline = time.monotonic() + wait.wait_s
+    while not wait.answered_by(status) and (left := deadline - time.monotonic()) > 0:
+        await api.wait_for_change(left)
+        status = api.env_status(env_id)
+    return json_response(status)
 
 
 async def handle_policy_version(request: web.Request) -> web.Response:

@@ -48,7 +48,7 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
             if limit is not None and \
                     (env.queued_groups or 0) + in_progress + delivering >= limit:
                 held_since = held_since or time.monotonic()
-                await asyncio.sleep(0.1)  # the trainer is behind: wait for the policy
+                await _status_changes(env, 0.1)  # the trainer is behind: wait for it
                 continue
             if held_since is not None:  # (the wall time the limit held groups back)
                 env.stats.backpressure_seconds += time.monotonic() - held_since
@@ -215,7 +215,7 @@ async def serve(env: Any) -> dict[str, Any]:
         copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
         await api.start()
         await poll_status(env, client)
-        # lockstep waits on the version: polled more often
+        # lockstep waits on the version: polled more often where the API cannot long-poll
         poller = asyncio.create_task(follow_status(
             env, client, 0.1 if config.groups_per_policy_version else 0.5))
 
@@ -249,32 +249,67 @@ async def register(env: Any, client: RolloutAPIClient) -> dict[str, Any]:
             await asyncio.sleep(5)
 
 
-async def poll_status(env: Any, client: RolloutAPIClient) -> None:
-    """Take the API's policy version and queue count. A group delivered while the poll
-    is in flight may be missing from the API's answer, so it is added back: the count
-    errs high by at most the groups delivered meanwhile (the next poll corrects it),
-    never low, which would let an env run further ahead than ``max_queued_groups``."""
+async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0) -> bool:
+    """Take the API's policy version and queue count; with ``wait_s``, as a long poll
+    (``/status-env`` answers when the env's queue or the version is no longer what the
+    env knows: a lease, a group it delivered, a new policy). A group delivered while the poll is in flight may be missing from
+    the API's answer, so it is added back: the count errs high by at most the groups
+    delivered meanwhile (the next poll, answered at once, corrects it), never low, which
+    would let an env run further ahead than ``max_queued_groups``. Returns whether the
+    API long-polls (an Atropos API answers ``/status-env`` at once, without the version)."""
     sent_before = env.stats.groups_sent
-    status = await client.status()
+    env_id = getattr(env, "env_id", None)
+    paced = env.config.max_queued_groups is not None  # paced on its own groups
+    own = None
+    if env_id is not None:  # also tells the API the env is alive (mix_wait_s)
+        own = await client.env_status(env_id, wait_s=wait_s,
+                                      self_queue_size=env.queued_groups if paced else None,
+                                      policy_version=env.policy_version)
+    long_polls = own is not None and "policy_version" in own
+    status = own if long_polls else await client.status()
     env.policy_version = status.get("policy_version", env.policy_version)
     if status.get("policy_model"):
         env.use_policy_model(status["policy_model"])
-    env_id = getattr(env, "env_id", None)
-    queued = status.get("queue_size")
-    if env_id is not None:  # also tells the API the env is alive (mix_wait_s)
-        own = await client.env_status(env_id)
-        if env.config.max_queued_groups is not None:  # paced on its own groups
-            queued = own.get("self_queue_size")
+    queued = own.get("self_queue_size") if own is not None and paced \
+        else status.get("queue_size")
     if queued is not None:
-        env.queued_groups = queued + env.stats.groups_sent - sent_before
+        before, env.queued_groups = env.queued_groups, queued + env.stats.groups_sent - sent_before
+        if before is None or env.queued_groups < before:  # room for more groups: wake
+            event, env._status_event = _status_event(env), asyncio.Event()
+            event.set()
+    return long_polls
+
+
+LONG_POLL_S = 2.0
+"""How long one ``/status-env`` long poll waits at most (well within ``ENV_SILENT_S``, after
+which the API stops waiting for a silent env's groups)."""
 
 
 async def follow_status(env: Any, client: RolloutAPIClient, interval_s: float = 0.5) -> None:
     """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
-    the API's."""
+    the API's: long polls, each answered as soon as either moves, or polls every
+    ``interval_s`` where the API answers at once."""
+    long_polls = True
     while True:
-        await asyncio.sleep(interval_s)
         try:
-            await poll_status(env, client)
+            long_polls = await poll_status(env, client, LONG_POLL_S if long_polls else 0.0)
         except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
             log.debug("policy version poll failed: %s", error)
+            long_polls = False
+        if not long_polls:
+            await asyncio.sleep(interval_s)
+
+
+def _status_event(env: Any) -> asyncio.Event:
+    event = getattr(env, "_status_event", None)
+    if event is None:
+        event = env._status_event = asyncio.Event()
+    return event
+
+
+async def _status_changes(env: Any, timeout_s: float) -> None:
+    """Until a status poll finds room in the env's queue, or ``timeout_s`` passed."""
+    try:
+        await asyncio.wait_for(_status_event(env).wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
