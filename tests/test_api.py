@@ -502,6 +502,73 @@ def test_a_paced_env_starts_its_next_groups_when_the_trainer_leases_not_at_its_n
     assert sent == 4 and refilled_after < 1.0
 
 
+def test_a_paced_env_is_not_held_by_a_count_that_errs_high_until_its_long_poll_ends(tmp_path):
+    """The env's count of its queued groups can run above the API's: a group pushed while
+    a status poll was in flight is counted twice, a group the API drops as stale was
+    counted as queued. Neither may hold the env until its long poll times out (2 s):
+    the double count is corrected by a poll answered at once, and a dropped group is not
+    counted."""
+    from environments import BaseEnv, EnvConfig
+    from environments.framework.delivery import APIDelivery
+    from environments.framework.runner import follow_status, poll_status, run_groups
+
+    class Stale(BaseEnv):  # groups sampled 2 versions ago: the API drops them
+        async def get_next_item(self):
+            return {"id": "x"}
+
+        async def collect_group(self, item):
+            await asyncio.sleep(0.01)
+            return make_group(env_id=self.env_id, seed=self.stats.groups_sent,
+                              policy_version=3)
+
+    counted_twice = BaseEnv(EnvConfig(max_queued_groups=2))
+    stale = Stale(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4))
+
+    class PushesBeforeAnswering(RolloutAPIClient):
+        pushes = 1
+
+        async def env_status(self, env_id, **wait):
+            if self.pushes:  # the push lands before the answer, counted after the poll began
+                self.pushes -= 1
+                await _deliver(counted_twice, APIDelivery(self, tmp_path / "spool"),
+                               make_group(env_id=env_id, seed=99))
+            return await super().env_status(env_id, **wait)
+
+    from environments.framework.runner import _deliver
+
+    async def scenario():
+        async with running_api(max_staleness=0) as (url, _), \
+                PushesBeforeAnswering(url) as client, RolloutAPIClient(url) as plain:
+            counted_twice.env_id = (await plain.register_env(
+                "a", group_size=2, max_token_length=64))["env_id"]
+            counted_twice.queued_groups = 0
+            long_polls, clean = await poll_status(counted_twice, client)
+            high = counted_twice.queued_groups  # 1 queued, counted as 2
+            poller = asyncio.create_task(follow_status(counted_twice, client))
+            await asyncio.sleep(0.5)
+            corrected = counted_twice.queued_groups
+            poller.cancel()
+
+            await plain.set_policy_version(5)
+            stale.env_id = (await plain.register_env("b", group_size=2,
+                                                     max_token_length=64))["env_id"]
+            await poll_status(stale, plain)
+            poller = asyncio.create_task(follow_status(stale, plain))
+            groups = asyncio.create_task(run_groups(stale, APIDelivery(plain, tmp_path / "s"),
+                                                    None))
+            await asyncio.sleep(1.0)
+            groups.cancel()
+            poller.cancel()
+            counters = (await plain.status())["counters"]
+            return (long_polls, clean, high, corrected, stale.stats.groups_sent,
+                    stale.queued_groups, counters.get("dropped_groups_stale", 0))
+
+    long_polls, clean, high, corrected, sent, queued, dropped = run(scenario())
+    assert (long_polls, clean, high) == (True, False, 2)
+    assert corrected == 1  # at once, not at the long poll's end
+    assert queued == 0 and sent >= 6 and dropped == sent  # never held at 2
+
+
 def test_status_env_long_polls_for_a_lease_or_a_new_version_and_answers_atropos_at_once():
     """``/status-env`` with ``wait_s`` answers when the env's queue is no longer
     ``self_queue_size`` or the policy version no longer ``policy_version``; without it,

@@ -123,8 +123,8 @@ async def _one_group(env: Any, item: Any) -> Any:
 
 async def _deliver(env: Any, delivery: Any, group: Any) -> None:
     group.env_id = getattr(env, "env_id", None)
-    await delivery.send(group)
-    if env.queued_groups is not None:  # until the next status poll says
+    queued = await delivery.send(group)
+    if env.queued_groups is not None and queued is not False:  # until the next poll says
         env.queued_groups += 1
     env.stats.groups_sent += 1
 
@@ -249,22 +249,25 @@ async def register(env: Any, client: RolloutAPIClient) -> dict[str, Any]:
             await asyncio.sleep(5)
 
 
-async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0) -> bool:
+async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0
+                      ) -> tuple[bool, bool]:
     """Take the API's policy version and queue count; with ``wait_s``, as a long poll
     (``/status-env`` answers when the env's queue or the version is no longer what the
-    env knows: a lease, a group it delivered, a new policy). A group delivered while the poll is in flight may be missing from
-    the API's answer, so it is added back: the count errs high by at most the groups
-    delivered meanwhile (the next poll, answered at once, corrects it), never low, which
-    would let an env run further ahead than ``max_queued_groups``. Returns whether the
-    API long-polls (an Atropos API answers ``/status-env`` at once, without the version)."""
+    API last said: a lease, a group it delivered, a new policy). A group delivered while
+    the poll is in flight may be missing from the API's answer, so it is added back: the
+    count errs high by at most the groups delivered meanwhile, never low, which would let
+    an env run further ahead than ``max_queued_groups``; such an answer is not *clean*,
+    and the next poll is answered at once to correct it. Returns whether the API
+    long-polls (an Atropos API answers ``/status-env`` at once, without the version) and
+    whether the answer was clean."""
     sent_before = env.stats.groups_sent
     env_id = getattr(env, "env_id", None)
     paced = env.config.max_queued_groups is not None  # paced on its own groups
     own = None
     if env_id is not None:  # also tells the API the env is alive (mix_wait_s)
-        own = await client.env_status(env_id, wait_s=wait_s,
-                                      self_queue_size=env.queued_groups if paced else None,
-                                      policy_version=env.policy_version)
+        own = await client.env_status(
+            env_id, wait_s=wait_s, policy_version=env.policy_version,
+            self_queue_size=getattr(env, "_api_queued", None) if paced else None)
     long_polls = own is not None and "policy_version" in own
     status = own if long_polls else await client.status()
     env.policy_version = status.get("policy_version", env.policy_version)
@@ -272,12 +275,14 @@ async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0) -
         env.use_policy_model(status["policy_model"])
     queued = own.get("self_queue_size") if own is not None and paced \
         else status.get("queue_size")
+    delivered_meanwhile = env.stats.groups_sent - sent_before
     if queued is not None:
-        before, env.queued_groups = env.queued_groups, queued + env.stats.groups_sent - sent_before
+        env._api_queued = queued
+        before, env.queued_groups = env.queued_groups, queued + delivered_meanwhile
         if before is None or env.queued_groups < before:  # room for more groups: wake
             event, env._status_event = _status_event(env), asyncio.Event()
             event.set()
-    return long_polls
+    return long_polls, delivered_meanwhile == 0
 
 
 LONG_POLL_S = 2.0
@@ -287,12 +292,14 @@ which the API stops waiting for a silent env's groups)."""
 
 async def follow_status(env: Any, client: RolloutAPIClient, interval_s: float = 0.5) -> None:
     """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
-    the API's: long polls, each answered as soon as either moves, or polls every
-    ``interval_s`` where the API answers at once."""
-    long_polls = True
+    the API's: long polls, each answered as soon as either moves (after an answer that
+    may count a group twice, a poll answered at once), or polls every ``interval_s``
+    where the API answers at once."""
+    long_polls, clean = True, False  # the first answered at once: a count to correct
     while True:
         try:
-            long_polls = await poll_status(env, client, LONG_POLL_S if long_polls else 0.0)
+            long_polls, clean = await poll_status(
+                env, client, LONG_POLL_S if long_polls and clean else 0.0)
         except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
             log.debug("policy version poll failed: %s", error)
             long_polls = False
