@@ -505,9 +505,10 @@ def test_a_paced_env_starts_its_next_groups_when_the_trainer_leases_not_at_its_n
 def test_a_paced_env_is_not_held_by_a_count_that_errs_high_until_its_long_poll_ends(tmp_path):
     """The env's count of its queued groups can run above the API's: a group pushed while
     a status poll was in flight is counted twice, a group the API drops as stale was
-    counted as queued. Neither may hold the env until its long poll times out (2 s):
-    the double count is corrected by a poll answered at once, and a dropped group is not
-    counted."""
+    counted as queued, a group of fewer sequences than the group size counts less than
+    one in the API's queue. None may hold the env until its long poll times out (2 s):
+    the double count is corrected by a poll answered at once, a dropped group is not
+    counted, and the long poll compares sequences."""
     from environments import BaseEnv, EnvConfig
     from environments.framework.delivery import APIDelivery
     from environments.framework.runner import follow_status, poll_status, run_groups
@@ -521,8 +522,17 @@ def test_a_paced_env_is_not_held_by_a_count_that_errs_high_until_its_long_poll_e
             return make_group(env_id=self.env_id, seed=self.stats.groups_sent,
                               policy_version=3)
 
+    class Partial(BaseEnv):  # groups of 1 sequence where the group size is 2
+        async def get_next_item(self):
+            return {"id": "x"}
+
+        async def collect_group(self, item):
+            await asyncio.sleep(0.01)
+            return make_group(n=1, env_id=self.env_id, seed=self.stats.groups_sent)
+
     counted_twice = BaseEnv(EnvConfig(max_queued_groups=2))
     stale = Stale(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4))
+    partial = Partial(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4))
 
     class PushesBeforeAnswering(RolloutAPIClient):
         pushes = 1
@@ -560,18 +570,38 @@ def test_a_paced_env_is_not_held_by_a_count_that_errs_high_until_its_long_poll_e
             groups.cancel()
             poller.cancel()
             counters = (await plain.status())["counters"]
-            return (long_polls, clean, high, corrected, stale.stats.groups_sent,
-                    stale.queued_groups, counters.get("dropped_groups_stale", 0))
 
-    long_polls, clean, high, corrected, sent, queued, dropped = run(scenario())
+        async with running_api() as (url, _), RolloutAPIClient(url) as plain:
+            partial.env_id = (await plain.register_env("c", group_size=2,
+                                                       max_token_length=64))["env_id"]
+            await plain.register_trainer(batch_size=4, max_token_len=64)
+            await poll_status(partial, plain)
+            poller = asyncio.create_task(follow_status(partial, plain))
+            groups = asyncio.create_task(run_groups(partial,
+                                                    APIDelivery(plain, tmp_path / "p"), None))
+            started = time.monotonic()
+            for _ in range(3):  # each batch: 4 groups of 1, 2 "groups" of the queue
+                while (batch := await plain.lease(wait_s=5)) is None:
+                    pass
+                await plain.ack(batch.lease_id)
+            three_batches_s = time.monotonic() - started
+            groups.cancel()
+            poller.cancel()
+            return (long_polls, clean, high, corrected, stale.stats.groups_sent,
+                    stale.queued_groups, counters.get("dropped_groups_stale", 0),
+                    three_batches_s)
+
+    long_polls, clean, high, corrected, sent, queued, dropped, three_batches_s = \
+        run(scenario())
     assert (long_polls, clean, high) == (True, False, 2)
     assert corrected == 1  # at once, not at the long poll's end
-    assert queued == 0 and sent >= 6 and dropped == sent  # never held at 2
+    assert queued == 0 and sent >= 6 and dropped >= sent  # never held at 2
+    assert three_batches_s < 1.5  # no batch waits for a long poll to end (2 s)
 
 
 def test_status_env_long_polls_for_a_lease_or_a_new_version_and_answers_atropos_at_once():
     """``/status-env`` with ``wait_s`` answers when the env's queue is no longer
-    ``self_queue_size`` or the policy version no longer ``policy_version``; without it,
+    ``self_queued_sequences`` or the policy version no longer ``policy_version``; without it,
     at once (an Atropos env's poll); a malformed wait is a 422 naming the field."""
     async def scenario():
         async with running_api() as (url, _), RolloutAPIClient(url) as client, \
@@ -584,7 +614,7 @@ def test_status_env_long_polls_for_a_lease_or_a_new_version_and_answers_atropos_
             now = await client.env_status(env_id)
             assert now["self_queue_size"] == 2 and now["policy_version"] is None
             waiting = asyncio.ensure_future(client.env_status(
-                env_id, wait_s=30, self_queue_size=2, policy_version=None))
+                env_id, wait_s=30, self_queued_sequences=4, policy_version=None))
             await asyncio.sleep(0.3)
             assert not waiting.done()  # nothing changed: still waiting
             await trainer.push_group(make_group(env_id=7, seed=9))  # another env's: not it
@@ -593,13 +623,14 @@ def test_status_env_long_polls_for_a_lease_or_a_new_version_and_answers_atropos_
             await trainer.lease()
             after_lease = await asyncio.wait_for(waiting, 5)
             version = asyncio.ensure_future(client.env_status(
-                env_id, wait_s=30, self_queue_size=1, policy_version=None))
+                env_id, wait_s=30, self_queued_sequences=after_lease["self_queued_sequences"],
+                policy_version=None))
             await asyncio.sleep(0.3)
             assert not version.done()
             await trainer.set_policy_version(1)
             after_version = await asyncio.wait_for(version, 5)
             errors = []
-            for query in ("wait_s=-1", "wait_s=2", "wait_s=1&self_queue_size=x"):
+            for query in ("wait_s=-1", "wait_s=2", "wait_s=1&self_queued_sequences=x"):
                 with pytest.raises(APIRequestError) as error:
                     await client.request("GET", f"/status-env?env_id={env_id}&{query}")
                 errors.append((error.value.status, error.value.body.get("field")))
@@ -608,7 +639,7 @@ def test_status_env_long_polls_for_a_lease_or_a_new_version_and_answers_atropos_
     after_lease, after_version, errors = run(scenario())
     assert after_lease["self_queue_size"] < 2  # the lease took its groups
     assert after_version["policy_version"] == 1
-    assert errors == [(422, "wait_s"), (422, "wait_s"), (422, "self_queue_size")]
+    assert errors == [(422, "wait_s"), (422, "wait_s"), (422, "self_queued_sequences")]
 
 
 def test_a_waiting_lease_is_answered_by_the_push_that_completes_the_batch():

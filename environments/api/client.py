@@ -153,17 +153,17 @@ class RolloutAPIClient:
         return await self.request("POST", "/scored_data_list", body=body)
 
     async def env_status(self, env_id: int, *, wait_s: float = 0.0,
-                         self_queue_size: int | None = None,
+                         self_queued_sequences: int | None = None,
                          policy_version: int | None = None) -> dict[str, Any]:
         """The env's status; with ``wait_s``, a long poll: answered as soon as the env's
-        own queue is no longer ``self_queue_size`` groups or the policy version no longer
+        queued sequences are no longer ``self_queued_sequences`` or the policy version no longer
         ``policy_version``, or after ``wait_s`` (``StatusWait``)."""
         query = f"env_id={env_id}"
         if wait_s:
             query += f"&wait_s={wait_s:g}&policy_version=" + \
                 ("null" if policy_version is None else str(policy_version))
-            if self_queue_size is not None:
-                query += f"&self_queue_size={self_queue_size}"
+            if self_queued_sequences is not None:
+                query += f"&self_queued_sequences={self_queued_sequences}"
         return await self.request("GET", f"/status-env?{query}")
 
     # -- trainer ----------------------------------------------------------------------------

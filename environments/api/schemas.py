@@ -41,29 +41,29 @@ class EnvIdentifier(BaseModel):
 
 class StatusWait(BaseModel):
     """``GET /status-env``'s long poll, in its query: the env says what it knows (its
-    ``self_queue_size``, the ``policy_version``; ``null``: none yet) and the answer comes
-    as soon as either is out of date, or after ``wait_s`` at the latest. Without
+    ``self_queued_sequences``, the ``policy_version``; ``null``: none yet) and the answer
+    comes as soon as either is out of date, or after ``wait_s`` at the latest. Without
     ``wait_s`` the answer comes at once, as Atropos envs expect. An env paced on its
     queue learns of the trainer's lease the moment it happens, with one request waiting
     instead of a poll every so often."""
 
     wait_s: float = Field(default=0.0, ge=0, le=60, allow_inf_nan=False)
-    self_queue_size: int | None = Field(default=None, ge=0, le=MAX_INT)
+    self_queued_sequences: int | None = Field(default=None, ge=0, le=MAX_INT)
     policy_version: int | None = Field(default=None, ge=0, le=MAX_INT)
     watch_version: bool = False
     """Whether the query named ``policy_version`` (``null`` is a version to watch too)."""
 
     @classmethod
     def from_query(cls, query: Mapping[str, str]) -> StatusWait:
-        fields: dict[str, object] = {k: query[k] for k in ("wait_s", "self_queue_size")
+        fields: dict[str, object] = {k: query[k] for k in ("wait_s", "self_queued_sequences")
                                      if k in query}
         if "policy_version" in query:
             version = query["policy_version"]
             fields.update(policy_version=None if version == "null" else version,
                           watch_version=True)
         wait = cls.model_validate(fields)
-        if wait.wait_s and wait.self_queue_size is None and not wait.watch_version:
-            raise ValueError("wait_s waits for self_queue_size or policy_version to "
+        if wait.wait_s and wait.self_queued_sequences is None and not wait.watch_version:
+            raise ValueError("wait_s waits for self_queued_sequences or policy_version to "
                              "change: give one")
         return wait
 
@@ -71,8 +71,8 @@ class StatusWait(BaseModel):
         """Whether ``status`` (``/status-env``'s answer) is what the poll waits for."""
         if not self.wait_s:
             return True
-        if self.self_queue_size is not None and \
-                status["self_queue_size"] != self.self_queue_size:
+        if self.self_queued_sequences is not None and \
+                status["self_queued_sequences"] != self.self_queued_sequences:
             return True
         return self.watch_version and status["policy_version"] != self.policy_version
 

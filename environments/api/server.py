@@ -579,6 +579,7 @@ class RolloutAPI:
             "queue_size": (own if self.config.status_env_own_queue else queued)
             // env.group_size,
             "self_queue_size": own // env.group_size,
+            "self_queued_sequences": own,
             "unallocated_fraction": 1.0 - min(min_total, 1.0),
             "max_group_size": max((g.n_sequences for g in self.queue.values()), default=1),
             "env_weight": max(MIN_ENV_WEIGHT, weight),

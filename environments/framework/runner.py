@@ -267,7 +267,7 @@ async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0
     if env_id is not None:  # also tells the API the env is alive (mix_wait_s)
         own = await client.env_status(
             env_id, wait_s=wait_s, policy_version=env.policy_version,
-            self_queue_size=getattr(env, "_api_queued", None) if paced else None)
+            self_queued_sequences=getattr(env, "_api_queued", None) if paced else None)
     long_polls = own is not None and "policy_version" in own
     status = own if long_polls else await client.status()
     env.policy_version = status.get("policy_version", env.policy_version)
@@ -276,8 +276,11 @@ async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0
     queued = own.get("self_queue_size") if own is not None and paced \
         else status.get("queue_size")
     delivered_meanwhile = env.stats.groups_sent - sent_before
+    if own is not None and "self_queued_sequences" in own:
+        # the long poll compares sequences: a group of fewer than group_size sequences
+        # changes the queue without changing its count in groups
+        env._api_queued = own["self_queued_sequences"]
     if queued is not None:
-        env._api_queued = queued
         before, env.queued_groups = env.queued_groups, queued + delivered_meanwhile
         if before is None or env.queued_groups < before:  # room for more groups: wake
             event, env._status_event = _status_event(env), asyncio.Event()
