@@ -154,6 +154,8 @@ class RolloutAPI:
         self._expiry_task: asyncio.Task | None = None
         self._recent_acks: dict[str, None] = dict.fromkeys(loaded.acked)  # ordered, bounded
         self._changed = asyncio.Event()
+        self._snapshots = 0
+        """How many env snapshots (``own_queue``) were taken: their order, for the envs."""
         """Set (and replaced) when the queue, the leases or the policy version may have
         changed: long-polling ``/status-env`` requests look again."""
         if self.queue or self.leases:
@@ -561,6 +563,13 @@ class RolloutAPI:
         return (f"{queued} sequences queued, but an env's min_batch_allocation is not met "
                 "yet: waiting for its groups")
 
+    def own_queue(self, env_id: int) -> dict[str, int]:
+        """The env's own queued sequences now, numbered: an env that reads snapshots from
+        several answers (pushes, polls) keeps the newest, whatever order they arrive in."""
+        self._snapshots += 1
+        own = sum(g.n_sequences for g in self.queue.values() if g.env_id == env_id)
+        return {"self_queued_sequences": own, "snapshot": self._snapshots}
+
     def env_status(self, env_id: int) -> dict[str, Any]:
         env = self.envs.get(env_id)
         if env is None:
@@ -579,7 +588,7 @@ class RolloutAPI:
             "queue_size": (own if self.config.status_env_own_queue else queued)
             // env.group_size,
             "self_queue_size": own // env.group_size,
-            "self_queued_sequences": own,
+            **self.own_queue(env_id),
             "unallocated_fraction": 1.0 - min(min_total, 1.0),
             "max_group_size": max((g.n_sequences for g in self.queue.values()), default=1),
             "env_weight": max(MIN_ENV_WEIGHT, weight),
@@ -668,6 +677,8 @@ async def handle_scored_data(request: web.Request) -> web.Response:
         api.count_rejection("malformed" if error.status == 400 else "invalid")
         raise APIError(error.status, str(error), field=error.field) from None
     result = (await api.store_groups([group]))[0]
+    if group.env_id is not None:  # the pushing env's queue, this group included
+        result.update(api.own_queue(group.env_id))
     return json_response({"status": "received", **result})
 
 

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from environments.api.client import APIRequestError, RolloutAPIClient
@@ -71,29 +72,28 @@ class APIDelivery:
             log.info("replaying groups spooled by an earlier run from %s", self.spool_path)
         self._replayer = asyncio.create_task(self._replay_loop())
 
-    async def send(self, group: ScoredGroup) -> bool:
-        """Push ``group`` (spool it while the API is unreachable). Returns whether it is
-        queued for the trainer, or will be once the spool is replayed (False: the API
-        rejected it, dropped it as stale or already had it)."""
+    async def send(self, group: ScoredGroup) -> dict[str, Any]:
+        """Push ``group`` (spool it while the API is unreachable). Returns the API's
+        answer (``dropped``, ``duplicate``; a Lachesis API adds the env's queue with the
+        group in it), ``{"spooled": True}`` or ``{"rejected": True}``."""
         if not self.spooling:
             try:
                 answer = await self.client.push_group(group)
                 self.stats.sent += 1
-                return not (answer or {}).get("duplicate") and \
-                    not (answer or {}).get("dropped")
+                return answer if isinstance(answer, dict) else {}
             except APIRequestError as error:
                 if error.status is not None:  # 4xx: the API read it and said no
                     self.stats.rejected += 1
                     log.error("the rollout API rejected group %s (item %s): %s",
                               group.group_id, group.item_id, error)
-                    return False
+                    return {"rejected": True}
                 log.warning("rollout API unreachable (%s); spooling to %s", error,
                             self.spool_path)
         async with self._lock:
             await asyncio.to_thread(self._append, group)
         self.stats.spooled += 1
         self._wakeup.set()
-        return True
+        return {"spooled": True}
 
     def _append(self, group: ScoredGroup) -> None:
         self.spool_path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,8 +155,8 @@ class Mirrored:
     def __init__(self, primary, mirror=None):
         self.primary, self.mirror = primary, mirror
 
-    async def send(self, group: ScoredGroup) -> bool | None:
-        queued = await self.primary.send(group)
+    async def send(self, group: ScoredGroup) -> Any:
+        answer = await self.primary.send(group)
         if self.mirror is not None:
             await self.mirror.send(group)
-        return queued
+        return answer

@@ -123,10 +123,13 @@ async def _one_group(env: Any, item: Any) -> Any:
 
 async def _deliver(env: Any, delivery: Any, group: Any) -> None:
     group.env_id = getattr(env, "env_id", None)
-    queued = await delivery.send(group)
-    if env.queued_groups is not None and queued is not False:  # until the next poll says
-        env.queued_groups += 1
+    answer = await delivery.send(group)
     env.stats.groups_sent += 1
+    if isinstance(answer, dict) and "snapshot" in answer:
+        _observe(env, answer)  # the API's count of the env's queue, this group in it
+    elif env.queued_groups is not None and not (isinstance(answer, dict) and any(
+            answer.get(k) for k in ("dropped", "duplicate", "rejected"))):
+        env.queued_groups += 1  # until the next status poll says
 
 
 def _check_failures(env: Any) -> None:
@@ -249,17 +252,17 @@ async def register(env: Any, client: RolloutAPIClient) -> dict[str, Any]:
             await asyncio.sleep(5)
 
 
-async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0
-                      ) -> tuple[bool, bool]:
-    """Take the API's policy version and queue count; with ``wait_s``, as a long poll
-    (``/status-env`` answers when the env's queue or the version is no longer what the
-    API last said: a lease, a group it delivered, a new policy). A group delivered while
-    the poll is in flight may be missing from the API's answer, so it is added back: the
-    count errs high by at most the groups delivered meanwhile, never low, which would let
-    an env run further ahead than ``max_queued_groups``; such an answer is not *clean*,
-    and the next poll is answered at once to correct it. Returns whether the API
-    long-polls (an Atropos API answers ``/status-env`` at once, without the version) and
-    whether the answer was clean."""
+async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0) -> bool:
+    """Take the API's policy version and the env's queue; with ``wait_s``, as a long poll
+    (``/status-env`` answers when the env's queued sequences or the version are no longer
+    what the env last heard: a lease, a push of its own, a new policy). The API numbers
+    its snapshots of the env's queue, in these answers and in its answers to pushes, and
+    the env keeps the newest, whichever arrives first. From an API that does not (an
+    Atropos API) a group delivered while the poll was in flight may be missing from the
+    answer, so it is added back: the count errs high by at most the groups delivered
+    meanwhile, never low, which would let an env run further ahead than
+    ``max_queued_groups``. Returns whether the API long-polls (an Atropos API answers
+    ``/status-env`` at once, without the version)."""
     sent_before = env.stats.groups_sent
     env_id = getattr(env, "env_id", None)
     paced = env.config.max_queued_groups is not None  # paced on its own groups
@@ -273,19 +276,29 @@ async def poll_status(env: Any, client: RolloutAPIClient, wait_s: float = 0.0
     env.policy_version = status.get("policy_version", env.policy_version)
     if status.get("policy_model"):
         env.use_policy_model(status["policy_model"])
+    if own is not None and "snapshot" in own:
+        _observe(env, own)
+        return long_polls
     queued = own.get("self_queue_size") if own is not None and paced \
         else status.get("queue_size")
-    delivered_meanwhile = env.stats.groups_sent - sent_before
-    if own is not None and "self_queued_sequences" in own:
-        # the long poll compares sequences: a group of fewer than group_size sequences
-        # changes the queue without changing its count in groups
-        env._api_queued = own["self_queued_sequences"]
     if queued is not None:
-        before, env.queued_groups = env.queued_groups, queued + delivered_meanwhile
-        if before is None or env.queued_groups < before:  # room for more groups: wake
-            event, env._status_event = _status_event(env), asyncio.Event()
-            event.set()
-    return long_polls, delivered_meanwhile == 0
+        _set_queued(env, queued + env.stats.groups_sent - sent_before)
+    return long_polls
+
+
+def _observe(env: Any, answer: dict[str, Any]) -> None:
+    """The API's snapshot of the env's queue, if newer than the one the env has."""
+    if answer["snapshot"] <= getattr(env, "_snapshot", 0):
+        return  # an older answer that arrived late
+    env._snapshot, env._api_queued = answer["snapshot"], answer["self_queued_sequences"]
+    _set_queued(env, env._api_queued // env.config.group_size)
+
+
+def _set_queued(env: Any, queued: int) -> None:
+    before, env.queued_groups = env.queued_groups, queued
+    if before is None or queued < before:  # room for more groups: wake the held workers
+        event, env._status_event = _status_event(env), asyncio.Event()
+        event.set()
 
 
 LONG_POLL_S = 2.0
@@ -295,14 +308,12 @@ which the API stops waiting for a silent env's groups)."""
 
 async def follow_status(env: Any, client: RolloutAPIClient, interval_s: float = 0.5) -> None:
     """Keep ``policy_version`` (recorded per turn) and ``queued_groups`` in step with
-    the API's: long polls, each answered as soon as either moves (after an answer that
-    may count a group twice, a poll answered at once), or polls every ``interval_s``
-    where the API answers at once."""
-    long_polls, clean = True, False  # the first answered at once: a count to correct
+    the API's: long polls, each answered as soon as either moves, or polls every
+    ``interval_s`` where the API answers at once."""
+    long_polls = True
     while True:
         try:
-            long_polls, clean = await poll_status(
-                env, client, LONG_POLL_S if long_polls and clean else 0.0)
+            long_polls = await poll_status(env, client, LONG_POLL_S if long_polls else 0.0)
         except Exception as error:  # noqa: BLE001 - the API may be down; keep the last
             log.debug("policy version poll failed: %s", error)
             long_polls = False
