@@ -594,6 +594,38 @@ def test_a_paced_env_is_not_held_by_a_count_above_the_apis_until_its_long_poll_e
     assert three_batches_s < 1.5  # no batch waits for a long poll to end (2 s)
 
 
+def test_a_paced_env_takes_a_restarted_apis_count_of_its_queue(tmp_path):
+    """The env keeps the newest of the API's numbered snapshots of its queue; an API that
+    restarts (losing nothing it had committed) must still number its snapshots above the
+    ones the env kept, or the env would go on with its old count."""
+    from environments import BaseEnv, EnvConfig
+    from environments.framework.runner import poll_status
+
+    env = BaseEnv(EnvConfig(max_queued_groups=4, group_size=2))
+
+    async def scenario(db):
+        counts = []
+        for pushes in (3, 1):  # the first API, then a restarted one on the same queue
+            async with running_api(in_memory=False, db=db) as (url, _), \
+                    RolloutAPIClient(url) as client:
+                if env.env_id is None:
+                    env.env_id = (await client.register_env(
+                        "e", group_size=2, max_token_length=64))["env_id"]
+                for _ in range(pushes):
+                    await client.push_group(make_group(env_id=env.env_id,
+                                                       seed=env.stats.groups_sent))
+                    env.stats.groups_sent += 1
+                if pushes == 1:  # the restarted API leased two of them away
+                    await client.register_trainer(batch_size=4, max_token_len=64)
+                    await client.lease()
+                await poll_status(env, client)
+                counts.append(env.queued_groups)
+        return counts
+
+    env.env_id = None
+    assert run(scenario(str(tmp_path / "q.sqlite"))) == [3, 2]  # 3, then 4 less 2 leased
+
+
 def test_status_env_long_polls_for_a_lease_or_a_new_version_and_answers_atropos_at_once():
     """``/status-env`` with ``wait_s`` answers when the env's queue is no longer
     ``self_queued_sequences`` or the policy version no longer ``policy_version``; without it,

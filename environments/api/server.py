@@ -154,8 +154,10 @@ class RolloutAPI:
         self._expiry_task: asyncio.Task | None = None
         self._recent_acks: dict[str, None] = dict.fromkeys(loaded.acked)  # ordered, bounded
         self._changed = asyncio.Event()
-        self._snapshots = 0
-        """How many env snapshots (``own_queue``) were taken: their order, for the envs."""
+        self._snapshots = time.time_ns()
+        """The number of the last env snapshot (``own_queue``), their order for the envs:
+        counted from the start's wall clock in ns, so a restarted API's snapshots still
+        number above the ones its envs kept from before."""
         """Set (and replaced) when the queue, the leases or the policy version may have
         changed: long-polling ``/status-env`` requests look again."""
         if self.queue or self.leases:
