@@ -154,12 +154,12 @@ class RolloutAPI:
         self._expiry_task: asyncio.Task | None = None
         self._recent_acks: dict[str, None] = dict.fromkeys(loaded.acked)  # ordered, bounded
         self._changed = asyncio.Event()
+        """Set (and replaced) when the queue, the leases or the policy version may have
+        changed: long-polling ``/status-env`` requests look again."""
         self._snapshots = time.time_ns()
         """The number of the last env snapshot (``own_queue``), their order for the envs:
         counted from the start's wall clock in ns, so a restarted API's snapshots still
         number above the ones its envs kept from before."""
-        """Set (and replaced) when the queue, the leases or the policy version may have
-        changed: long-polling ``/status-env`` requests look again."""
         if self.queue or self.leases:
             log.info("resumed %d queued groups and %d leases from %s",
                      len(self.queue), len(self.leases), config.db_path)
@@ -581,7 +581,8 @@ class RolloutAPI:
         total = sum(e.max_token_length * max(0.0, e.weight) for e in connected)
         weight = env.max_token_length * env.weight / total if total else 1.0
         min_total = sum(e.min_batch_allocation or 0.0 for e in connected)
-        own = sum(g.n_sequences for g in self.queue.values() if g.env_id == env_id)
+        snapshot = self.own_queue(env_id)
+        own = snapshot["self_queued_sequences"]
         queued = sum(g.n_sequences for g in self.queue.values())
         return {
             "current_step": self.step,
@@ -590,7 +591,7 @@ class RolloutAPI:
             "queue_size": (own if self.config.status_env_own_queue else queued)
             // env.group_size,
             "self_queue_size": own // env.group_size,
-            **self.own_queue(env_id),
+            **snapshot,
             "unallocated_fraction": 1.0 - min(min_total, 1.0),
             "max_group_size": max((g.n_sequences for g in self.queue.values()), default=1),
             "env_weight": max(MIN_ENV_WEIGHT, weight),
@@ -634,11 +635,16 @@ async def parse(request: web.Request, model: type[M], allow_empty: bool = False)
         if first["type"] == "json_invalid":
             api.count_rejection("malformed")
             raise APIError(400, f"malformed JSON: {first['msg']}", field="body") from None
-        api.count_rejection("invalid")
-        errors = [{"field": field_path(e["loc"]) or "body", "message": e["msg"]}
-                  for e in error.errors()]
-        raise APIError(422, f"{errors[0]['field']}: {errors[0]['message']}",
-                       field=errors[0]["field"], errors=errors) from None
+        raise unprocessable(api, error) from None
+
+
+def unprocessable(api: RolloutAPI, error: ValidationError) -> APIError:
+    """A request that does not fit its schema: counted, and a 422 naming each field."""
+    api.count_rejection("invalid")
+    errors = [{"field": field_path(e["loc"]) or "body", "message": e["msg"]}
+              for e in error.errors()]
+    return APIError(422, f"{errors[0]['field']}: {errors[0]['message']}",
+                    field=errors[0]["field"], errors=errors)
 
 
 OPEN_PATHS = frozenset({"/health"})
@@ -838,12 +844,10 @@ async def handle_status_env(request: web.Request) -> web.Response:
         env_id = (await parse(request, EnvIdentifier)).env_id
     try:
         wait = StatusWait.from_query(request.query)
-    except (ValidationError, ValueError) as error:
+    except ValidationError as error:
+        raise unprocessable(api, error) from None
+    except ValueError as error:  # wait_s with nothing to wait for
         api.count_rejection("invalid")
-        if isinstance(error, ValidationError):
-            first = error.errors()[0]
-            raise APIError(422, f"{field_path(first['loc'])}: {first['msg']}",
-                           field=field_path(first["loc"])) from None
         raise APIError(422, str(error), field="wait_s") from None
     status = api.env_status(env_id)
     deadline = time.monotonic() + wait.wait_s

@@ -18,8 +18,8 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from environments.api.client import APIRequestError, RolloutAPIClient
 from environments.jsonl_store import GroupWriter, read_groups
