@@ -455,23 +455,33 @@ def test_a_group_delivered_while_a_status_poll_is_in_flight_still_counts(tmp_pat
     run(scenario())
 
 
+def endless_env(config, make, delay_s: float = 0.0):
+    """An env whose items never run out and whose groups are ``make(env)``, after
+    ``delay_s``: pacing without rollouts."""
+    from environments import BaseEnv
+
+    class Endless(BaseEnv):
+        async def get_next_item(self):
+            return {"id": "x"}
+
+        async def collect_group(self, item):
+            await asyncio.sleep(delay_s)
+            return make(self)
+
+    return Endless(config)
+
+
 def test_a_paced_env_starts_its_next_groups_when_the_trainer_leases_not_at_its_next_poll(
         tmp_path):
     """An env held by ``max_queued_groups`` learns of the trainer's lease from its long
     poll of ``/status-env`` the moment it happens: its next groups are pushed at once,
     although the env would otherwise poll only every 30 s here."""
-    from environments import BaseEnv, EnvConfig
+    from environments import EnvConfig
     from environments.framework.delivery import APIDelivery
     from environments.framework.runner import follow_status, poll_status, run_groups
 
-    class Instant(BaseEnv):
-        async def get_next_item(self):
-            return {"id": "x"}
-
-        async def collect_group(self, item):
-            return make_group(env_id=self.env_id, seed=self.stats.groups_sent)
-
-    env = Instant(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4))
+    env = endless_env(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4),
+                      lambda e: make_group(env_id=e.env_id, seed=e.stats.groups_sent))
 
     async def scenario():
         async with running_api() as (url, _), RolloutAPIClient(url) as client, \
@@ -514,26 +524,14 @@ def test_a_paced_env_is_not_held_by_a_count_above_the_apis_until_its_long_poll_e
     from environments.framework.delivery import APIDelivery
     from environments.framework.runner import follow_status, poll_status, run_groups
 
-    class Stale(BaseEnv):  # groups sampled 2 versions ago: the API drops them
-        async def get_next_item(self):
-            return {"id": "x"}
-
-        async def collect_group(self, item):
-            await asyncio.sleep(0.01)
-            return make_group(env_id=self.env_id, seed=self.stats.groups_sent,
-                              policy_version=3)
-
-    class Partial(BaseEnv):  # groups of 1 sequence where the group size is 2
-        async def get_next_item(self):
-            return {"id": "x"}
-
-        async def collect_group(self, item):
-            await asyncio.sleep(0.01)
-            return make_group(n=1, env_id=self.env_id, seed=self.stats.groups_sent)
-
     counted_twice = BaseEnv(EnvConfig(max_queued_groups=2, group_size=2))
-    stale = Stale(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4))
-    partial = Partial(EnvConfig(max_queued_groups=2, group_size=2, concurrency=4))
+    stale = endless_env(  # groups sampled 2 versions ago: the API drops them
+        EnvConfig(max_queued_groups=2, group_size=2, concurrency=4),
+        lambda e: make_group(env_id=e.env_id, seed=e.stats.groups_sent, policy_version=3),
+        delay_s=0.01)
+    partial = endless_env(  # groups of 1 sequence where the group size is 2
+        EnvConfig(max_queued_groups=2, group_size=2, concurrency=4),
+        lambda e: make_group(n=1, env_id=e.env_id, seed=e.stats.groups_sent), delay_s=0.01)
 
     class PushesBeforeAnswering(RolloutAPIClient):
         pushes = 1
@@ -749,23 +747,18 @@ def test_a_group_being_delivered_holds_its_place_under_max_queued_groups(tmp_pat
     """Pacing: while a collected group's push is on its way to the API, the queue count
     does not have it yet; if its slot were free meanwhile, another worker would collect
     and push one more group than ``max_queued_groups`` allows (3 queued against 2)."""
-    from environments import BaseEnv, EnvConfig
+    from environments import EnvConfig
     from environments.framework.delivery import APIDelivery
     from environments.framework.runner import follow_status, poll_status, run_groups
-
-    class Instant(BaseEnv):  # groups are ready at once; only their delivery takes time
-        async def get_next_item(self):
-            return {"id": "x"}
-
-        async def collect_group(self, item):
-            return make_group(env_id=self.env_id)
 
     class SlowPush(RolloutAPIClient):
         async def push_group(self, group):
             await asyncio.sleep(0.3)
             return await super().push_group(group)
 
-    env = Instant(EnvConfig(max_queued_groups=2, group_size=2, concurrency=8))
+    # groups are ready at once; only their delivery takes time
+    env = endless_env(EnvConfig(max_queued_groups=2, group_size=2, concurrency=8),
+                      lambda e: make_group(env_id=e.env_id))
 
     async def scenario():
         async with running_api() as (url, _), SlowPush(url) as client:
