@@ -124,16 +124,17 @@ async def framework(model: str, url: str, groups: int, concurrency: int | None,
         await env.process(out.with_suffix(".warmup.jsonl"), 1)
         before = env.stats.trajectories
         cpu_before = server_cpu_snapshot(server_pid) if server_pid else None
-        started = time.monotonic()
+        started, env_cpu = time.monotonic(), time.process_time()
         await env.process(out, groups)
         seconds = time.monotonic() - started
+        env_cpu = time.process_time() - env_cpu  # this process: the env and its client
         episodes = env.stats.trajectories - before
         cpu = server_cpu(cpu_before, server_cpu_snapshot(server_pid)) if server_pid else {}
     finally:
         await env.close()
     return {"episodes": episodes, "seconds": seconds, "episodes_per_s": episodes / seconds,
             "concurrency": env.config.rollout_slots(), "groups": groups,
-            "failed_groups": env.stats.groups_failed, **cpu}
+            "failed_groups": env.stats.groups_failed, "env_cpu_s": round(env_cpu, 2), **cpu}
 
 
 def replay_turns(groups_path: Path) -> list[list[tuple[list[int], int]]]:
@@ -199,6 +200,9 @@ def main() -> None:
     parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable of the framework's vLLM server "
                         "(repeatable), e.g. OMP_NUM_THREADS=2")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                        help="an argument of the framework's vLLM server (repeatable; "
+                        "`--vllm-arg=--max-num-seqs=256`)")
     parser.add_argument("--compiled", action="store_true",
                         help="both engines without --enforce-eager (vLLM compiles the model "
                         "with torch.compile at start)")
@@ -221,16 +225,16 @@ def main() -> None:
     with VLLMProcess(model, max_model_len=vllm_settings.get("max_model_len", 1024),
                      kv_cache_space_gib=vllm_settings.get("kv_cache_gib", 1),
                      env=dict(kv.split("=", 1) for kv in args.vllm_env),
-                     enforce_eager=not args.compiled,
+                     enforce_eager=not args.compiled, extra_args=args.vllm_arg,
                      log_path=workdir / "vllm.log") as server:
         side = asyncio.run(framework(model, server.url, args.groups, args.concurrency,
                                      groups_path, server_pid=server.proc.pid))
         print(f"framework: {side['episodes']} episodes in {side['seconds']:.2f} s = "
               f"{side['episodes_per_s']:.1f} episodes/s (concurrency {side['concurrency']})",
               flush=True)
-        print(f"  vLLM's CPU meanwhile: API server {side['api_server_cpu_s']} s, engine core "
-              f"{side['engine_core_cpu_s']} s (busiest threads "
-              f"{side['engine_core_busiest_threads_cpu_s']})", flush=True)
+        print(f"  CPU meanwhile: the env {side['env_cpu_s']} s, vLLM's API server "
+              f"{side['api_server_cpu_s']} s, its engine core {side['engine_core_cpu_s']} s "
+              f"(busiest threads {side['engine_core_busiest_threads_cpu_s']})", flush=True)
         unshared = None
         if args.unshared:
             unshared = asyncio.run(framework(model, server.url, args.groups, args.concurrency,

@@ -239,30 +239,39 @@ from vllm.engine.arg_utils import EngineArgs
 fork_engine_core_on_cpu()
 config = EngineArgs(model=sys.argv[1], enforce_eager=True, max_model_len=256
                     ).create_engine_config()
-print(config.parallel_config.distributed_executor_backend, torch.get_num_threads())
+print(torch._dynamo.config.disable, config.parallel_config.distributed_executor_backend,
+      torch.get_num_threads())
 """
 
 
-def test_a_cpu_server_leaves_a_core_to_its_scheduler(tiny_model_dir, monkeypatch):
+def test_a_cpu_server_leaves_a_core_to_its_scheduler_and_compiles_nothing(tiny_model_dir,
+                                                                          monkeypatch):
     """The worker inside the engine core (VLLMProcess's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
     runs torch on every core but one, as vLLM's own worker process would, instead of a
-    thread per core whose spinning takes the scheduler's core. Checked where vLLM's server
-    sets it, its config (the engine core is forked from that process after it), in a
-    process without ``OMP_NUM_THREADS``; with it, its count stays."""
+    thread per core whose spinning takes the scheduler's core; with the model eager, vLLM's
+    compiled helpers run eagerly (dynamo off) instead of compiling at the first request for
+    logprobs. Checked where vLLM's server sets them, its config (the engine core is forked
+    from that process after it), in a process without ``OMP_NUM_THREADS`` or
+    ``TORCHDYNAMO_DISABLE``; with them, their values stay."""
     import torch
+    import torch._dynamo
 
-    from environments.inference.vllm_serve import leave_a_core_to_the_scheduler
+    from environments.inference.vllm_serve import (leave_a_core_to_the_scheduler,
+                                                   run_compiled_helpers_eagerly)
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE")}
     done = subprocess.run([sys.executable, "-c", ENGINE_THREADS, str(tiny_model_dir)],
                           env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-2:] == ["uni", str(max(1, (os.cpu_count() or 1) - 1))]
+    assert done.stdout.split()[-3:] == ["True", "uni", str(max(1, (os.cpu_count() or 1) - 1))]
     threads = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", str(threads + 1))
     leave_a_core_to_the_scheduler()
     assert torch.get_num_threads() == threads
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # keeps vLLM's compiled helpers
+    assert not run_compiled_helpers_eagerly() and not torch._dynamo.config.disable
 
 
 def test_vllm_token_in_token_out(vllm_server, tokenizer):

@@ -16,7 +16,10 @@ set to ``spawn`` in the environment keeps vLLM's own choice.
 
 Where the worker runs inside the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which
 ``VLLMProcess`` sets), it gets every core but one for its torch threads, as vLLM gives its
-own worker process (:func:`leave_a_core_to_the_scheduler`).
+own worker process (:func:`leave_a_core_to_the_scheduler`). With the model eager
+(``--enforce-eager``, what every Lachesis server on a CPU runs), vLLM's few compiled helpers
+run eagerly too, instead of compiling at the first request for logprobs
+(:func:`run_compiled_helpers_eagerly`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def fork_engine_core_on_cpu() -> bool:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         if vllm_config.parallel_config.distributed_executor_backend == "uni":
             leave_a_core_to_the_scheduler()
+        if int(vllm_config.compilation_config.mode) == 0:  # CompilationMode.NONE: eager
+            run_compiled_helpers_eagerly()
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     return True
@@ -68,6 +73,25 @@ def leave_a_core_to_the_scheduler() -> None:
     torch.set_num_threads(threads)
     print(f"lachesis: the engine's worker runs {threads} torch thread(s): every core but one "
           "(OMP_NUM_THREADS sets another count)", file=sys.stderr, flush=True)
+
+
+def run_compiled_helpers_eagerly() -> bool:
+    """With the model eager (``--enforce-eager``: vLLM compiles no model), vLLM still wraps
+    a few helpers in ``torch.compile``, with inductor on a CPU: the first request that asks
+    for logprobs (every rollout's does) compiled the sampler's count of a token's rank, in
+    every server started: 8-10 s of CPU with inductor's cache empty (a new machine), 1-3 s
+    with it (benchmarks/vllm_startup.py, docs/benchmarks.md). Eager, that count takes about
+    as long on a CPU (0.02-0.18 ms against 0.07-0.13 ms for 8-256 rows of 405 logits). Dynamo off
+    in this process, and in any vLLM spawns from it (``TORCHDYNAMO_DISABLE``; the engine
+    core forked from it inherits the setting). ``TORCHDYNAMO_DISABLE`` set in the
+    environment keeps its own value: ``0`` keeps vLLM's compiled helpers."""
+    if "TORCHDYNAMO_DISABLE" in os.environ:
+        return False
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    return True
 
 
 def worker_threads() -> int:
