@@ -32,10 +32,12 @@ sys.path.insert(0, str(REPO))
 from environments.inference.vllm_process import VLLMProcess  # noqa: E402
 from lachesis.run.processes import tree_cpu_seconds  # noqa: E402
 
-MODES = {"spawn": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, "fork": {},
-         "compiled-helpers": {"TORCHDYNAMO_DISABLE": "0"}}
+MODES = {"spawn": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "TORCHDYNAMO_DISABLE": "1"},
+         "fork": {}, "compiled-helpers": {"TORCHDYNAMO_DISABLE": "0"}}
 """``spawn`` in the environment keeps vLLM's own choice, ``TORCHDYNAMO_DISABLE=0`` its
-compiled helpers (environments/inference/vllm_serve.py)."""
+compiled helpers (environments/inference/vllm_serve.py, which changes nothing where spawn
+is asked: ``spawn`` turns the helpers' compile off itself, so that only the start method
+differs from ``fork``)."""
 
 
 async def completions(url: str, n: int, max_tokens: int, logprobs: int | None = None
