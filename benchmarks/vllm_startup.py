@@ -114,5 +114,6 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 
+
 if __name__ == "__main__":
     main()

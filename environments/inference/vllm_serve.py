@@ -38,6 +38,7 @@ def fork_engine_core_on_cpu() -> bool:
     if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
         return False
     try:
+        from vllm.config import CompilationMode
         from vllm.platforms.cpu import CpuPlatform
         hook = CpuPlatform.check_and_update_config.__func__
     except (ImportError, AttributeError):
@@ -49,7 +50,7 @@ def fork_engine_core_on_cpu() -> bool:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         if vllm_config.parallel_config.distributed_executor_backend == "uni":
             leave_a_core_to_the_scheduler()
-        if int(vllm_config.compilation_config.mode) == 0:  # CompilationMode.NONE: eager
+        if vllm_config.compilation_config.mode == CompilationMode.NONE:  # the model eager
             run_compiled_helpers_eagerly()
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
@@ -80,11 +81,12 @@ def run_compiled_helpers_eagerly() -> bool:
     a few helpers in ``torch.compile``, with inductor on a CPU: the first request that asks
     for logprobs (every rollout's does) compiled the sampler's count of a token's rank, in
     every server started: 8-10 s of CPU with inductor's cache empty (a new machine), 1-3 s
-    with it (benchmarks/vllm_startup.py, docs/benchmarks.md). Eager, that count takes about
-    as long on a CPU (0.02-0.18 ms against 0.07-0.13 ms for 8-256 rows of 405 logits). Dynamo off
-    in this process, and in any vLLM spawns from it (``TORCHDYNAMO_DISABLE``; the engine
-    core forked from it inherits the setting). ``TORCHDYNAMO_DISABLE`` set in the
-    environment keeps its own value: ``0`` keeps vLLM's compiled helpers."""
+    with it (benchmarks/vllm_startup.py, docs/benchmarks.md). Eager, that count takes
+    about as long on a CPU (0.02-0.18 ms against 0.07-0.13 ms for 8-256 rows of 405
+    logits). Dynamo off in this process, and in any vLLM spawns from it
+    (``TORCHDYNAMO_DISABLE``; the engine core forked from it inherits the setting).
+    ``TORCHDYNAMO_DISABLE`` set in the environment keeps its own value: ``0`` keeps
+    vLLM's compiled helpers."""
     if "TORCHDYNAMO_DISABLE" in os.environ:
         return False
     import torch._dynamo
