@@ -81,6 +81,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # two batches of groups ahead of the trainer instead of one (within max_staleness 2)
     "ahead2": {"env": {"max_queued_groups": 16}},
     "ahead2-stale-kv": {"env": {"max_queued_groups": 16}, "train": {"sync_stale_kv": True}},
+    # lockstep: the env samples a batch's groups, then waits for the trainer's sync before
+    # the next ones (on-policy; the update runs while vLLM is idle)
+    "lockstep": {"env": {"groups_per_policy_version": 8}},
+    "lockstep-trainer-threads-per-core": {
+        "env": {"groups_per_policy_version": 8},
+        "environment": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+        "vllm_env": {"OMP_NUM_THREADS": str(worker_threads())}},
     # vLLM compiles the model (torch.compile, inductor) instead of running it eagerly
     "compiled": {"vllm_args": ["--no-enforce-eager"]},
     # vLLM's engine at a torch thread per core, as before its server left a core free
@@ -344,7 +351,8 @@ def measure(name: str, variant: dict[str, Any], args: argparse.Namespace) -> dic
     }
 
 
-PROFILED = ("env server", "vllm API server", "vllm engine core", "vllm worker", "rollout API")
+PROFILED = ("env server", "vllm API server", "vllm engine core", "vllm worker", "rollout API",
+            "trainer")
 
 
 def start_py_spy(args: argparse.Namespace, run_name: str,
@@ -392,7 +400,7 @@ def main() -> None:
                         "checkout in DIR (repeatable)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--py-spy", help="a py-spy binary: profile the env server, the "
-                        "rollout API and vLLM's processes over the timed steps")
+                        "trainer, the rollout API and vLLM's processes over the timed steps")
     parser.add_argument("--py-spy-seconds", type=int, default=20)
     args = parser.parse_args()
     check_model(args.model)
