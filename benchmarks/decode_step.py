@@ -8,9 +8,10 @@ step for both engines on the same model (``--model``, e.g. the quickstart's warm
 ``runs/quickstart/warm_start/final`` after ``make demo``), in this one process:
 
 - **vLLM**: ``LLM.generate`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; eager and
-  with dynamo off, as a Lachesis CPU server runs the model), ``--batch`` copies of a 75-token prompt, each
-  sampling ``--new-tokens`` tokens at temperature 1 with ``ignore_eos`` and its logprob
-  (``logprobs=0``, as rollouts ask), no detokenizing;
+  with dynamo off, as a Lachesis CPU server runs the model), ``--batch`` copies of a
+  ``--prompt-tokens`` (75) token prompt, each sampling ``--new-tokens`` (48) tokens at
+  temperature 1 with ``ignore_eos`` and its logprob (``logprobs=0``, as rollouts ask), no
+  detokenizing;
 - **transformers**: ``model.generate`` of the same prompts, ``min_new_tokens`` =
   ``max_new_tokens``, sampling at temperature 1 (what TRL's in-process generation runs).
 
@@ -64,18 +65,18 @@ def main() -> None:
     sampling = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=1.0,
                               logprobs=0, detokenize=False)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    generate = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                    do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
     rows = []
     for batch in args.batch:
         prompts = [TokensPrompt(prompt_token_ids=prompt)] * batch
         vllm_s = best_of(args.rounds, lambda: llm.generate(prompts, sampling, use_tqdm=False))
         ids = torch.tensor([prompt] * batch)
-        kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                      do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
         with torch.no_grad():
-            hf_s = best_of(args.rounds, lambda: model.generate(ids, **kwargs))
+            hf_s = best_of(args.rounds, lambda: model.generate(ids, **generate))
         row = {"batch": batch, "vllm_ms_per_step": 1000 * vllm_s / args.new_tokens,
-               "transformers_ms_per_step": 1000 * hf_s / args.new_tokens}
-        row["vllm_over_transformers"] = row["vllm_ms_per_step"] / row["transformers_ms_per_step"]
+               "transformers_ms_per_step": 1000 * hf_s / args.new_tokens,
+               "vllm_over_transformers": vllm_s / hf_s}
         rows.append(row)
         print(f"batch {batch:4d}: vLLM {row['vllm_ms_per_step']:6.2f} ms a step, transformers "
               f"{row['transformers_ms_per_step']:6.2f} ms: vLLM / transformers = "
