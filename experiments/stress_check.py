@@ -38,6 +38,7 @@ import statistics
 import sys
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -68,7 +69,7 @@ def seeds_of(ws: int) -> list[int]:
 
 # --- reading the kept cells -------------------------------------------------------------------
 
-def run_values(folder: Path) -> dict[str, float]:
+def run_values(folder: Path) -> dict[str, Any]:
     summary = json.loads((folder / "summary.json").read_text())
     after = summary["after"][ENV]
     values = {k: float(after.get(k, 0.0))
@@ -84,14 +85,11 @@ def run_values(folder: Path) -> dict[str, float]:
 def read_runs(results: Path) -> dict[str, dict[tuple, dict]]:
     """stage -> (arm, lr or ws, seed) -> values, from the folders (not the runner's grid)."""
     runs: dict[str, dict[tuple, dict]] = {"tuning": {}, "confirmation": {}}
-    for path in sorted(results.glob("tuning/lr*/*-seed*/summary.json")):
-        arm, seed = path.parent.name.rsplit("-seed", 1)
-        runs["tuning"][(arm, float(path.parent.parent.name[2:]), int(seed))] = \
-            run_values(path.parent)
-    for path in sorted(results.glob("confirmation/ws*/*-seed*/summary.json")):
-        arm, seed = path.parent.name.rsplit("-seed", 1)
-        runs["confirmation"][(arm, int(path.parent.parent.name[2:]), int(seed))] = \
-            run_values(path.parent)
+    for stage, prefix, parse in (("tuning", "lr", float), ("confirmation", "ws", int)):
+        for path in sorted(results.glob(f"{stage}/{prefix}*/*-seed*/summary.json")):
+            arm, seed = path.parent.name.rsplit("-seed", 1)
+            where = parse(path.parent.parent.name[len(prefix):])
+            runs[stage][(arm, where, int(seed))] = run_values(path.parent)
     return runs
 
 
@@ -133,7 +131,7 @@ def exact_stratified_p(x: list[list[float]], y: list[list[float]]) -> tuple[floa
         counts = [dict() for _ in range(k + 1)]  # size -> sum -> number of subsets
         counts[0][0] = 1
         for v in ints:
-            for size in range(min(k, n) - 1, -1, -1):
+            for size in range(k - 1, -1, -1):
                 for s, c in counts[size].items():
                     counts[size + 1][s + v] = counts[size + 1].get(s + v, 0) + c
         stratum: dict[int, int] = {}
@@ -219,7 +217,6 @@ class Checker:
     def __init__(self) -> None:
         self.checked = 0
         self.failed: list[str] = []
-        self.exact: dict = {}  # the registered tests, the permutation p exact
 
     def near(self, what: str, mine: float, theirs: float, tolerance: float) -> None:
         self.checked += 1
@@ -276,7 +273,8 @@ def numbers(cell: str) -> list[str]:
     return NUMBER.findall(cell.replace("**", ""))
 
 
-def check(results: Path, report: str) -> Checker:
+def check(results: Path, report: str) -> tuple[Checker, dict]:
+    """The comparisons, and the registered tests as recomputed here (p exact)."""
     c = Checker()
     lines = report.splitlines()
     runs = read_runs(results)
@@ -293,8 +291,8 @@ def check(results: Path, report: str) -> Checker:
                  for a in ARMS for lr in LRS for s in TUNING_SEEDS]
                 + [("confirmation", (a, ws, s), f"confirmation/ws{ws}/{a}-seed{s}")
                    for a in ARMS for ws in WARM_STARTS for s in seeds_of(ws)])
-    unexpected = [k for stage in runs for k in runs[stage]
-                  if (stage, k) not in {(s, key) for s, key, _ in expected}]
+    grid = {(stage, key) for stage, key, _ in expected}
+    unexpected = [k for stage in runs for k in runs[stage] if (stage, k) not in grid]
     c.same("finished cells outside the registered grid", unexpected, [])
     for stage, key, cell in expected:
         attempts = [e for e in manifest if e["cell"] == cell]
@@ -367,8 +365,7 @@ def check(results: Path, report: str) -> Checker:
 
     # the registered tests
     values: dict = {}
-    for (arm, ws, _), v in sorted(runs["confirmation"].items(),
-                                  key=lambda kv: (kv[0][1], kv[0][2])):
+    for (arm, ws, _), v in runs["confirmation"].items():
         values.setdefault(arm, {}).setdefault(ws, []).append(v)
     mine = tests(values)
     for row in table(lines, "Confirmation:"):
@@ -460,8 +457,7 @@ def check(results: Path, report: str) -> Checker:
                               row[1].split(" / ")):
             c.near(f"{row[0]} {what}", runs[stage][key][what], float(text), printed(text))
     c.same("runs in the every-run table", listed, len(runs["tuning"]) + len(runs["confirmation"]))
-    c.exact = mine
-    return c
+    return c, mine
 
 
 def main() -> int:
@@ -470,11 +466,11 @@ def main() -> int:
     parser.add_argument("--report", type=Path, required=True,
                         help="the markdown `stress.py --report` wrote (its --out)")
     args = parser.parse_args()
-    c = check(args.results, args.report.read_text())
+    c, exact = check(args.results, args.report.read_text())
     for name in ("accuracy", "collapse"):
         print(f"exact permutation p, {name} against {BASELINE}: " + "; ".join(
-            f"{arm} {c.exact[name]['difference'][arm]:+.3f}, p {p:.3g} (Holm "
-            f"{c.exact[name]['holm'][arm]:.3g})" for arm, p in c.exact[name]["p"].items()))
+            f"{arm} {exact[name]['difference'][arm]:+.3f}, p {p:.3g} (Holm "
+            f"{exact[name]['holm'][arm]:.3g})" for arm, p in exact[name]["p"].items()))
     for line in c.failed:
         print("DIFFERS:", line)
     print(f"stress check: {c.checked - len(c.failed)} of {c.checked} numbers and facts in "
