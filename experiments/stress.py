@@ -67,6 +67,7 @@ MARGIN = 0.08  # equivalence margin on final answer accuracy (TOST)
 DRAWS = 100_000  # random relabellings of the permutation test
 PERMUTATION_SEED = 20261126
 MAX_ATTEMPTS = cf.MAX_ATTEMPTS
+MAX_BATCH_WAIT_S = 600  # an RL run with no trainable batch this long ends training early
 
 
 def warm_start_seed(ws: int) -> int:
@@ -329,6 +330,9 @@ def rl_config(args: argparse.Namespace, design: Design, cell: Cell, model: str) 
                            evaluate_before=first_of_warm_start(design, cell))
     values = config.model_dump()
     values["train"]["lr"] = cell.lr
+    # A run whose every group scores equal gets no batch (the env drops such groups): its
+    # training ends after this long without one, and the run evaluates as usual.
+    values["train"]["max_batch_wait_s"] = MAX_BATCH_WAIT_S
     return RunConfig.model_validate(values)
 
 
@@ -363,12 +367,37 @@ def check_design(args: argparse.Namespace, design: Design) -> None:
 
 # --- the registered analysis ----------------------------------------------------------------
 
-def confirmation_values(results: Path, design: Design) -> dict[str, dict[int, list[dict[str, float]]]]:
-    """arm -> warm start -> the finished confirmation runs' final values (and AUC)."""
+def stalled(results: Path, cell: Cell) -> dict[str, Any] | None:
+    """A finished run whose training stopped early (no trainable batch for
+    ``MAX_BATCH_WAIT_S``): its record (``step``, ``steps``, ``waited_s``); else None."""
+    return json.loads((results / cell.id / "summary.json").read_text()).get("stopped_early")
+
+
+def stalled_table(results: Path, cells: list[Cell], arms: tuple[str, ...], columns: list[Any],
+                  column_of: Any, label: Any) -> list[str]:
+    """Markdown: per arm and column, the finished runs that stalled, ``k of n``."""
+    lines = ["| arm | " + " | ".join(label(c) for c in columns) + " | all |",
+             "|---|" + "---:|" * (len(columns) + 1)]
+    for arm in arms:
+        finished = [c for c in cells if c.arm == arm and is_finished(results, c)]
+        row = []
+        for column in [*columns, None]:
+            runs = [c for c in finished if column is None or column_of(c) == column]
+            row.append(f"{sum(stalled(results, c) is not None for c in runs)} of {len(runs)}")
+        lines.append(f"| {ARMS[arm][0]} | " + " | ".join(row) + " |")
+    runs = [(c, stalled(results, c)) for c in cells if is_finished(results, c)]
+    named = [f"{c.id} (step {s['step']} of {s['steps']})" for c, s in runs if s is not None]
+    return lines + ["", "Stalled: " + ("; ".join(named) if named else "none") + "."]
+
+
+def confirmation_values(results: Path, design: Design, *, without_stalled: bool = False
+                        ) -> dict[str, dict[int, list[dict[str, float]]]]:
+    """arm -> warm start -> the finished confirmation runs' final values (and AUC)
+    (``without_stalled``: leaving out the runs whose training stopped early)."""
     chosen = read_choice(results)["chosen"]
     values: dict[str, dict[int, list[dict[str, float]]]] = {}
     for cell in confirmation_cells(design, chosen):
-        if is_finished(results, cell):
+        if is_finished(results, cell) and not (without_stalled and stalled(results, cell)):
             summary = json.loads((results / cell.id / "summary.json").read_text())
             run = ca.run_values(argparse.Namespace(runs_dir=results / cell.group),
                                 cell.arm, cell.seed, summary)
@@ -464,6 +493,10 @@ def report(args: argparse.Namespace, design: Design) -> str:
                     f"{sum(r['tool_success'] < COLLAPSE_BELOW for r in runs)} collapsed")
             row.append(f"**{text}**" if float(choice["chosen"][arm]) == lr else text)
         lines.append(f"| {ARMS[arm][0]} | " + " | ".join(row) + " |")
+    lines += ["", f"Tuning runs that stalled (training stopped early: no trainable batch for "
+              f"{MAX_BATCH_WAIT_S} s; evaluated on their last weights), of the finished runs:",
+              "", *stalled_table(results, tuning_cells(design), design.arms, list(design.lrs),
+                                 lambda c: c.lr, lambda lr: f"lr {lr:g}")]
     values = confirmation_values(results, design)
     if BASELINE not in values:
         return "\n".join(lines + ["", f"No finished {BASELINE} confirmation run yet."])
@@ -493,6 +526,28 @@ def report(args: argparse.Namespace, design: Design) -> str:
         lines.append(f"| {ARMS[arm][0]} | {float(choice['chosen'][arm]):g} | {len(runs)} | "
                      f"{mean:.3f} [{lo:.3f}, {hi:.3f}] | {cells[0]} | {c} = {rate:.2f} "
                      f"[{low:.2f}, {high:.2f}] | {cells[1]} |")
+    lines += ["", f"Confirmation runs that stalled (training stopped early: no trainable "
+              f"batch for {MAX_BATCH_WAIT_S} s; evaluated on their last weights), of the "
+              "finished runs:", "",
+              *stalled_table(results, confirmation_cells(design, choice["chosen"]),
+                             design.arms, list(design.warm_starts), lambda c: c.ws,
+                             lambda ws: f"ws{ws}")]
+    kept = confirmation_values(results, design, without_stalled=True)
+    left_out = (sum(len(v) for a in values.values() for v in a.values())
+                - sum(len(v) for a in kept.values() for v in a.values()))
+    if not left_out:
+        lines += ["", "Sensitivity: no confirmation run stalled; the primary test stands as "
+                  "it is."]
+    elif BASELINE not in kept:
+        lines += ["", f"Sensitivity: without the {left_out} stalled runs no {BASELINE} run "
+                  "is left; the primary test cannot be repeated."]
+    else:
+        again = registered_tests(kept, list(design.arms))["accuracy"]
+        lines += ["", f"Sensitivity (not registered): the primary test without the {left_out} "
+                  "stalled runs: " + "; ".join(
+                      f"{ARMS[arm][0]} {again['difference'][arm]:+.3f}, p "
+                      f"{p_text(again['p'][arm])} (Holm {p_text(again['holm'][arm])})"
+                      for arm in design.arms if arm in again["p"]) + "."]
     lines += ["", (f"Equivalence (TOST, margin ±{MARGIN} accuracy; shown when Holm p <= "
                    f"{ALPHA}, i.e. the 90 % interval inside the margin at the unadjusted level):"),
               "", "| family | difference | stratified difference [90 % interval] | df | p | "

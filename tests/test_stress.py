@@ -161,15 +161,19 @@ def test_holm_against_the_step_down_procedure():
 
 # --- the grid --------------------------------------------------------------------------------------
 
-def write_summary(results, cell, correct=0.5, tool=0.9, steps=3):
+def write_summary(results, cell, correct=0.5, tool=0.9, steps=3, stalled_at=None):
+    """``stalled_at``: the step its training stopped early at (max_batch_wait_s)."""
     folder = results / cell.id
     (folder / "trainer").mkdir(parents=True, exist_ok=True)
     (folder / "trainer" / "metrics.jsonl").write_text("".join(
         json.dumps({"step": i, "env/correct": correct, "env/tool_success": tool}) + "\n"
-        for i in range(1, steps + 1)))
+        for i in range(1, (stalled_at or steps) + 1)))
     after = {"tool_success": tool, "correct": correct, "exact_match": correct,
              "direct_answer": 0.0}
-    (folder / "summary.json").write_text(json.dumps({"after": {"arithmetic_tool": after}}))
+    summary = {"after": {"arithmetic_tool": after}}
+    if stalled_at is not None:
+        summary["stopped_early"] = {"step": stalled_at, "steps": steps, "waited_s": 600.2}
+    (folder / "summary.json").write_text(json.dumps(summary))
 
 
 def finish_warm_start(results, ws):
@@ -281,6 +285,7 @@ def test_a_cell_attempt_records_its_identity_and_a_stopped_one_starts_again(tmp_
     assert len(entry["commit"]) == 40 and entry["dirty"] in (True, False)
     assert entry["warm_start_sha256"] == json.loads((kept / "summary.json").read_text())["sha256"]
     assert entry["config"]["train"]["lr"] == cell.lr
+    assert entry["config"]["train"]["max_batch_wait_s"] == st.MAX_BATCH_WAIT_S == 600
     assert entry["config"]["train"]["estimator"] == cell.arm
     assert entry["config"]["envs"][0]["settings"]["seed"] == 1000 + cell.seed
     listing = results / "packages" / f"{entry['packages_sha256']}.txt"
@@ -298,6 +303,10 @@ def test_every_registered_config_is_valid_and_a_smoke_design_keeps_out_of_the_re
     args = argparse.Namespace(config=REPO / "configs" / "credit_assignment.yaml",
                               runs_dir=tmp_path, steps=None, sft_steps=None)
     st.check_design(args, st.Design())
+    for cell in (st.tuning_cells(st.Design())[0],
+                 st.confirmation_cells(st.Design(), {arm: 3e-4 for arm in st.ARMS})[-1]):
+        train = st.rl_config(args, st.Design(), cell, "warm-start").train
+        assert train["max_batch_wait_s"] == 600 and train["lr"] == cell.lr
     config = st.warm_start_config(args, 3)
     assert config.build_tiny_model["seed"] == 13 and config.warm_start.settings["seed"] == 13
     monkeypatch.setattr("sys.argv", ["stress.py", "--steps", "2", "--one"])
@@ -313,16 +322,17 @@ def test_registered_tests_and_report_on_hand_made_runs(tmp_path):
     results = tmp_path
     finish_warm_start(results, 0)
     for cell in st.tuning_cells(design):
-        write_summary(results, cell)
+        write_summary(results, cell, stalled_at=2 if cell.arm == "gigpo" else None)
     st.next_cell(results, design)  # makes the choice
     rng = random.Random(0)
     for ws in (1, 2):
         finish_warm_start(results, ws)
+    stalled = {("grpo", 200), ("mt_grpo", 209)}  # ws1 and ws2
     while (cell := st.next_cell(results, design)) is not None:
         base = 0.3 if cell.arm == "grpo" else 0.6
         tool = 0.1 if (cell.arm, cell.seed) == ("grpo", 200) else 0.9
         write_summary(results, cell, correct=base + cell.ws / 10 + rng.uniform(0, 0.05),
-                      tool=tool)
+                      tool=tool, stalled_at=1 if (cell.arm, cell.seed) in stalled else None)
     values = st.confirmation_values(results, design)
     tests = st.registered_tests(values, list(design.arms))
     x, y = st.by_stratum(values, "mt_grpo", "grpo", "correct")
@@ -334,4 +344,21 @@ def test_registered_tests_and_report_on_hand_made_runs(tmp_path):
     out = argparse.Namespace(results=results, out=tmp_path / "report.md")
     text = st.report(out, design)
     assert "| GRPO-OR (outcome only) | 0.0003 | 6 |" in text and "mt_grpo - grpo" in text
+    # stalled runs: counted per arm and rate (tuning), per arm and warm start (confirmation)
+    assert "| GiGPO (outcome only) | 1 of 1 | 1 of 1 |" in text
+    assert "| GRPO-OR (outcome only) | 0 of 1 | 0 of 1 |" in text
+    assert "| GRPO-OR (outcome only) | 1 of 3 | 0 of 3 | 1 of 6 |" in text
+    assert "| MT-GRPO | 0 of 3 | 1 of 3 | 1 of 6 |" in text
+    assert "Stalled: tuning/lr0.0003/gigpo-seed100 (step 2 of 3)." in text
+    assert ("Stalled: confirmation/ws1/grpo-seed200 (step 1 of 3); "
+            "confirmation/ws2/mt_grpo-seed209 (step 1 of 3).") in text
+    # the sensitivity line: the primary test on the runs that did not stall
+    kept = st.confirmation_values(results, design, without_stalled=True)
+    assert sum(len(v) for a in kept.values() for v in a.values()) == 16
+    again = st.registered_tests(kept, list(design.arms))["accuracy"]
+    line = next(x for x in text.splitlines() if x.startswith("Sensitivity"))
+    assert line.startswith("Sensitivity (not registered): the primary test without the 2 "
+                           "stalled runs: MT-GRPO ")
+    assert f"MT-GRPO {again['difference']['mt_grpo']:+.3f}, p " in line
+    assert again["p"] != tests["accuracy"]["p"]
     assert (tmp_path / "report.png").stat().st_size > 0
