@@ -22,9 +22,12 @@ Honoured: ``stream`` (the finished reply as the API's events: ``response.created
 ``response.in_progress``, per output item ``response.output_item.added``, for a message
 ``response.content_part.added`` / ``response.output_text.delta`` / ``.done`` /
 ``response.content_part.done``, for a call ``response.function_call_arguments.delta`` /
-``.done``, then ``response.output_item.done``, and ``response.completed``, or
-``response.incomplete`` when the reply was cut at a length limit), ``max_output_tokens``
-(only shortens). Ignored: sampling (``temperature``, ``top_p``, ``text.format``...),
+``.done``, then ``response.output_item.done``, and ``response.completed``), and
+``max_output_tokens`` (only shortens). A reply cut at a length limit has ``status:
+"incomplete"`` and ``incomplete_details.reason: "max_output_tokens"``; its stream still
+ends with ``response.completed``, not the API's ``response.incomplete``: Codex treats
+that event as a failed request and retries it, and the openai SDK's stream helper raises
+on it, where a truncated turn should reach the harness like any other. Ignored: sampling (``temperature``, ``top_p``, ``text.format``...),
 ``reasoning`` (no reasoning is returned; ``usage.output_tokens_details.reasoning_tokens``
 is 0), ``include``, ``store``, ``prompt_cache_key``, ``tool_choice``,
 ``parallel_tool_calls``, ``truncation``, ``metadata``, ``user``, ``service_tier``.
@@ -255,7 +258,6 @@ class ResponsesDialect(Dialect):
                 emit("response.function_call_arguments.done", **ids,
                      arguments=item["arguments"], name=item["name"])
             emit("response.output_item.done", output_index=n, item=item)
-        emit("response.incomplete" if reply["status"] == "incomplete" else "response.completed",
-             response=reply)
+        emit("response.completed", response=reply)  # (also when incomplete: see the docstring)
         return events
 

@@ -1,0 +1,152 @@
+"""The proxy's Responses and Anthropic Messages dialects on the real vLLM server, driven by
+the real `openai` and `anthropic` clients: one recorder under all three wire APIs (the
+same exact tokens, one segment when a harness sends back what it was given), their
+streamed events as the clients parse them, and their errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import anthropic
+import openai
+from test_proxy import CALL_REGEX, START, TOOLS, running_proxy
+
+from environments.trajectory import MASKED
+
+FLAT_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's form
+ANTHROPIC_TOOLS = [{"name": "calculator", "description": TOOLS[0]["function"]["description"],
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+CALL_THEN_FREE = {"temperature": 1.0, "structured_outputs": {"regex": CALL_REGEX}}
+
+
+def check_exact(state, sampled, n_turns):
+    """Every turn's tokens, masks and logprobs are vLLM's; nothing else is trained; and
+    each later prompt is the earlier context plus that turn (one segment)."""
+    assert len(state.turns) == len(sampled) == n_turns
+    for turn, (prompt, completion) in zip(state.turns, sampled):
+        start, end = turn.span
+        assert state.tokens[:start] == prompt
+        assert state.tokens[start:end] == completion.token_ids
+        assert state.masks[start:end] == completion.token_ids
+        assert state.logprobs[start:end] == completion.logprobs
+    trained = {i for t in state.turns for i in range(*t.span)}
+    assert all(m == MASKED for i, m in enumerate(state.masks) if i not in trained)
+    assert state.segment_starts == []
+
+
+def test_responses_api_turns_are_recorded_exactly_streamed_or_not(vllm_server):
+    async def main():
+        async with running_proxy(vllm_server, max_tokens_per_turn=128) as (proxy, renderer,
+                                                                         sampled):
+            proxy.backend.sampling = CALL_THEN_FREE
+            rollout = proxy.open_rollout()
+            client = openai.AsyncOpenAI(base_url=proxy.base_url(rollout),
+                                        api_key=rollout.token, max_retries=0)
+            tools = [*FLAT_TOOLS, {"type": "web_search"},  # left out, as Codex's extras
+                     {"type": "namespace", "name": "mcp", "tools": []}]
+            first = await client.responses.create(
+                model="tiny", instructions=START[0]["content"], tools=tools,
+                input=[{"role": "user", "content": [
+                    {"type": "input_text", "text": START[1]["content"]}]}],
+                reasoning={"effort": "low"}, include=["reasoning.encrypted_content"],
+                store=False, extra_body={"prompt_cache_key": "k"})
+            [call] = [item for item in first.output if item.type == "function_call"]
+            proxy.backend.sampling = {"temperature": 1.0}
+            # as Codex sends it back: every output item, then the call's output
+            history = [{"role": "user", "content": START[1]["content"]},
+                       *[item.model_dump(exclude_none=True) for item in first.output],
+                       {"type": "function_call_output", "call_id": call.call_id,
+                        "output": "84"}]
+            async with client.responses.stream(model="tiny", instructions=START[0]["content"],
+                                               tools=tools, input=history) as stream:
+                kinds = [event.type async for event in stream]
+                second = await stream.get_final_response()
+            # and openai-agents' way: only the new items after previous_response_id
+            third = await client.responses.create(
+                model="tiny", instructions=START[0]["content"], tools=tools,
+                previous_response_id=second.id,
+                input=[{"role": "user", "content": "Say it once more."}])
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return renderer, sampled, first, call, kinds, second, third, state
+
+    renderer, sampled, first, call, kinds, second, third, state = asyncio.run(main())
+    check_exact(state, sampled, 3)
+    assert first.status == "completed" and call.name == "calculator"
+    assert json.loads(call.arguments) == state.turns[0].tool_calls[0].arguments
+    assert sampled[0][0] == renderer.prompt_ids(START, [{"type": "function",
+                                                          "function": TOOLS[0]["function"]}])
+    assert state.turns[0].tool_results == ["84"]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_item.done" in kinds
+    assert second.output_text == state.turns[1].text or second.status == "incomplete"
+    assert third.previous_response_id == second.id
+    assert sorted(state.extra["dropped_tools"]) == ["mcp", "web_search"]
+    assert state.extra["wire_apis"] == ["responses"]
+
+
+def test_anthropic_messages_turns_are_recorded_exactly_streamed_or_not(vllm_server):
+    async def main():
+        async with running_proxy(vllm_server, max_tokens_per_turn=128) as (proxy, renderer,
+                                                                         sampled):
+            proxy.backend.sampling = CALL_THEN_FREE
+            rollout = proxy.open_rollout()
+            # as Claude Code: ANTHROPIC_BASE_URL without /v1, the key as x-api-key
+            client = anthropic.AsyncAnthropic(base_url=f"{proxy.url}/rollout/{rollout.id}",
+                                              api_key=rollout.token, max_retries=0)
+            system = [{"type": "text", "text": START[0]["content"],
+                       "cache_control": {"type": "ephemeral"}}]
+            question = {"role": "user", "content": [{"type": "text",
+                                                     "text": START[1]["content"]}]}
+            counted = await client.messages.count_tokens(
+                model="tiny", system=system, messages=[question], tools=ANTHROPIC_TOOLS)
+            async with client.messages.stream(
+                    model="tiny", max_tokens=32000, system=system, messages=[question],
+                    tools=ANTHROPIC_TOOLS, extra_query={"beta": "true"},
+                    thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+                first = await stream.get_final_message()
+            [use] = [b for b in first.content if b.type == "tool_use"]
+            proxy.backend.sampling = {"temperature": 1.0}
+            # (not streamed: the SDK refuses a large max_tokens without streaming)
+            second = await client.messages.create(
+                model="tiny", max_tokens=4096, system=system, tools=ANTHROPIC_TOOLS,
+                messages=[question, {"role": "assistant", "content": [
+                    b.model_dump(exclude_none=True) for b in first.content]},
+                    {"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": use.id, "content": "84"},
+                        {"type": "text", "text": "<system-reminder>go on</system-reminder>"}]}])
+            async with aiohttp.ClientSession() as http:  # a harness's probe and a bad block
+                async with http.head(f"{proxy.url}/rollout/{rollout.id}",
+                                     headers={"x-api-key": rollout.token}) as r:
+                    probe = r.status
+                async with http.post(f"{proxy.url}/rollout/{rollout.id}/v1/messages",
+                                     headers={"x-api-key": rollout.token}, json={
+                                         "model": "tiny", "max_tokens": 5, "messages": [
+                                             {"role": "user", "content": [
+                                                 {"type": "image", "source": {}}]}]}) as r:
+                    bad = r.status, await r.json()
+                async with http.post(f"{proxy.url}/rollout/{rollout.id}/v1/files",
+                                     headers={"x-api-key": rollout.token}, json={}) as r:
+                    unserved = r.status
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return renderer, sampled, counted, first, use, second, probe, bad, unserved, \
+                rollout, state
+
+    (renderer, sampled, counted, first, use, second, probe, bad, unserved, rollout,
+     state) = asyncio.run(main())
+    assert state.segment_starts == [], state.extra["segments"]
+    check_exact(state, sampled, 2)
+    assert counted.input_tokens == len(sampled[0][0])  # count_tokens recorded nothing
+    assert first.stop_reason == "tool_use" and use.name == "calculator"
+    assert use.input == state.turns[0].tool_calls[0].arguments
+    assert state.turns[0].tool_results == ["84"]
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert probe == 200
+    assert bad[0] == 400 and bad[1]["type"] == "error"
+    assert "messages[0].content[0].type" in bad[1]["error"]["message"]
+    assert unserved == 404 and rollout.unserved == ["POST /v1/files"]
+    assert rollout.statuses == [200, 200, 400]
+    assert state.extra["wire_apis"] == ["messages"]
