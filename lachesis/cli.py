@@ -239,17 +239,35 @@ def _run_env(argv: list[str]) -> int:
 
     async def main() -> dict:
         env = env_class(config)
+        started = False
         try:
             await env.start()
+            started = True
             if known.action == "serve":
                 return await env.serve()
             if known.action == "process":
                 return await process_and_report(env, args.out, args.groups)
             return await env.evaluate()
+        except BaseException:
+            if started:  # what happened before it stopped (failed groups, agent runs...)
+                _print_stats(f"lachesis env {known.action}", env)
+            raise
         finally:
             await env.close()
 
     return _run_and_print(f"lachesis env {known.action}", main())
+
+
+def _print_stats(prog: str, env) -> None:
+    """The env's stats on stderr, when its run stops on an error (or Ctrl-C)."""
+    import json
+
+    try:
+        stats = env.describe_stats()
+    except Exception as error:  # the stats must not hide the error that stopped the run
+        stats = {"describe_stats failed": f"{type(error).__name__}: {error}"}
+    print(f"{prog}: the env's stats when it stopped:\n"
+          f"{json.dumps(stats, indent=2, default=str)}", file=sys.stderr)
 
 
 async def process_and_report(env, out: str | Path, n_groups: int) -> dict:
@@ -310,16 +328,26 @@ def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--template", choices=["chatml", "thinking", "compact", "llama"],
                    help="chat template (default: the family's; thinking drops earlier "
                         "turns' <think> blocks, as Qwen3's does)")
+    p.add_argument("--context-length", type=int, default=4096, metavar="TOKENS",
+                   help="the model's context (max_position_embeddings; default 4096). Agent "
+                        "harnesses send long prompts: with the byte-level tokenizer Pi's "
+                        "first request is about 6k tokens, OpenCode's 30k, Codex's 41k, "
+                        "Claude Code's 78k (docs/harnesses.md)")
     p.set_defaults(run=_run_make_tiny_model)
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
     from lachesis.tiny_model import make_tiny_model
 
+    if args.context_length < 64:
+        print(f"lachesis make-tiny-model: --context-length {args.context_length}: must be 64 "
+              "tokens or more", file=sys.stderr)
+        return 2
     try:
         path = make_tiny_model(args.out, seed=args.seed, tokenizer=args.tokenizer,
                                num_layers=args.layers, hidden_size=args.hidden_size,
-                               family=args.family, tied=args.tied, template=args.template)
+                               family=args.family, tied=args.tied, template=args.template,
+                               max_position_embeddings=args.context_length)
     except ValueError as error:
         print(f"lachesis make-tiny-model: {error}", file=sys.stderr)
         return 2

@@ -395,6 +395,10 @@ def test_a_run_stopped_by_failing_groups_kills_the_agents_in_flight_and_exits_cl
     assert done.returncode == 1
     assert "1 groups in a row failed" in done.stderr and "without calling the model" in \
         done.stderr, done.stderr[-3000:]
+    # the env's stats say what happened before the stop
+    stats = json.loads(done.stderr.split("the env's stats when it stopped:\n")[1]
+                       .split("\n}\n")[0] + "\n}")
+    assert stats["agent"]["no_model_calls"] == 1 and stats["groups_failed"] == 1, stats
     assert_clean_exit(done.stderr)
     assert not host_processes_mentioning(marker)
 
