@@ -150,3 +150,49 @@ def test_anthropic_messages_turns_are_recorded_exactly_streamed_or_not(vllm_serv
     assert unserved == 404 and rollout.unserved == ["POST /v1/files"]
     assert rollout.statuses == [200, 200, 400]
     assert state.extra["wire_apis"] == ["messages"]
+
+
+def test_scripted_turns_are_forced_and_keep_the_policys_own_logprobs(vllm_server):
+    """A forced turn has exactly the script's tokens, and its recorded logprobs are the
+    model's own (recomputed here with transformers), not the 0.0 a constrained sampler
+    reports for a token it leaves no choice over."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    script = ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n'
+              '</tool_call>', "The answer is 84."]
+
+    async def main():
+        async with running_proxy(vllm_server, max_tokens_per_turn=128,
+                                 scripted_turns=script) as (proxy, renderer, sampled):
+            rollout = proxy.open_rollout()
+            client = openai.AsyncOpenAI(base_url=proxy.base_url(rollout),
+                                        api_key=rollout.token, max_retries=0)
+            first = (await client.chat.completions.create(
+                model="tiny", messages=START, tools=TOOLS)).choices[0].message
+            call = first.tool_calls[0]
+            second = (await client.chat.completions.create(model="tiny", tools=TOOLS, messages=[
+                *START, first.model_dump(exclude_none=True, include={"role", "content",
+                                                                      "tool_calls"}),
+                {"role": "tool", "tool_call_id": call.id, "content": "84"}])).choices[0]
+            state = await proxy.finish_rollout(rollout)
+            await client.close()
+            return renderer, sampled, call, second, state
+
+    renderer, sampled, call, second, state = asyncio.run(main())
+    check_exact(state, sampled, 2)
+    assert call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == {"expression": "12 * 7"}
+    assert second.message.content == "The answer is 84." and second.finish_reason == "stop"
+    model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([state.tokens])).logits[0]
+    logprobs = torch.log_softmax(logits, -1)
+    for turn in state.turns:
+        start, end = turn.span
+        assert state.tokens[start:end][:-1] == renderer.tokenizer.encode(
+            turn.text, add_special_tokens=False)
+        mine = [logprobs[i - 1, state.tokens[i]].item() for i in range(start, end)]
+        recorded = state.logprobs[start:end]
+        assert max(abs(a - b) for a, b in zip(mine, recorded)) < 1e-3, (mine, recorded)
+        assert sum(recorded) < -5  # a random model gives the script's tokens little mass

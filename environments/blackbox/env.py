@@ -104,6 +104,13 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     sandbox_memory_mb: int = Field(default=2048, ge=16)
     agent_env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables of the agent (e.g. ``AGENT_STREAM: "1"``)."""
+    scripted_turns: list[str] = Field(default_factory=list)
+    """The text of each rollout's first turns (in the model's own format, e.g. a Hermes
+    ``<tool_call>`` block), forced token by token instead of sampled; vLLM still records
+    the policy's own logprobs of them, so ``lachesis train --check`` passes
+    (:mod:`environments.inference.forced_tokens`). A scripted episode (a tool call the
+    harness runs in the sandbox, then an answer) for smoke tests of a harness with a
+    random model; not for learning (forced tokens are not the policy's samples)."""
 
 
 class BlackBoxEnvMixin(SandboxEnvMixin):
@@ -149,7 +156,8 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         self.proxy = InterceptionProxy(
             self.backend, self.parser, max_turns=c.max_turns,
             max_token_length=c.max_token_length, max_tokens_per_turn=c.max_tokens_per_turn,
-            model_name=self._pool.model or "policy", policy_version=lambda: self.policy_version)
+            model_name=self._pool.model or "policy", policy_version=lambda: self.policy_version,
+            scripted_turns=c.scripted_turns)
         await self.proxy.start(unix_path=self._socket_dir / "proxy.sock")
         log.info("interception proxy on %s and %s", self.proxy.url, self.proxy.unix_path)
 

@@ -97,14 +97,18 @@ class InterceptionProxy:
     """One aiohttp server for many rollouts (``/rollout/{id}/v1/...``).
 
     ``backend``: a :class:`VLLMBackend` (its pool, renderer and sampling settings);
-    ``policy_version``: read at each turn, recorded per turn.
+    ``policy_version``: read at each turn, recorded per turn; ``scripted_turns``: the
+    text of each rollout's first turns, forced token by token instead of sampled (each
+    ended with the end-of-turn token; the policy's own logprobs recorded): a scripted
+    episode for smoke tests of a harness with a random model.
     """
 
     def __init__(self, backend: VLLMBackend, parser: ToolCallParser, *, max_turns: int,
                  max_token_length: int, max_tokens_per_turn: int | None = None,
                  model_name: str = "policy",
                  policy_version: Callable[[], int | None] = lambda: None,
-                 max_request_bytes: int = MAX_REQUEST_BYTES):
+                 max_request_bytes: int = MAX_REQUEST_BYTES,
+                 scripted_turns: list[str] | None = None):
         self.backend = backend
         self.renderer: ChatRenderer = backend.renderer
         self.parser = parser
@@ -113,6 +117,9 @@ class InterceptionProxy:
         self.max_tokens_per_turn = max_tokens_per_turn
         self.model_name = model_name
         self.policy_version = policy_version
+        tokenizer = self.renderer.tokenizer
+        self.script = [tokenizer.encode(text, add_special_tokens=False)
+                       + [tokenizer.eos_token_id] for text in scripted_turns or []]
         self.rollouts: dict[str, InterceptedRollout] = {}
         self.max_request_bytes = max_request_bytes
         self.refused_without_rollout = 0
@@ -317,7 +324,7 @@ class InterceptionProxy:
             rollout, turn.messages, turn.tools, turn.max_tokens, renderer=self.renderer,
             parser=self.parser, policy_version=self.policy_version,
             limits=Limits(self.max_turns, self.max_token_length, self.max_tokens_per_turn),
-            call_id=dialect.call_id)
+            call_id=dialect.call_id, script=self.script)
         return dialect.reply(turn, reply, self.model_name, rollout)
 
     async def _count_tokens(self, request: web.Request) -> web.Response:

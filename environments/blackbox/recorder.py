@@ -253,10 +253,13 @@ async def record_turn(rollout: InterceptedRollout, messages: list[Message],
                       tools: list[dict[str, Any]] | None, max_tokens: int | None, *,
                       renderer: ChatRenderer, parser: ToolCallParser, limits: Limits,
                       policy_version: Callable[[], int | None],
-                      call_id: Callable[[int, int], str]) -> TurnReply:
+                      call_id: Callable[[int, int], str],
+                      script: list[list[int]] | None = None) -> TurnReply:
     """Record the request's new messages and one generated turn (see the module
     docstring); ``max_tokens`` only shortens a reply below the env's limits; ``call_id``
-    makes the id of call ``j`` of turn ``i`` in the dialect's style."""
+    makes the id of call ``j`` of turn ``i`` in the dialect's style; ``script``: the
+    token ids of the rollout's first turns, forced instead of sampled (the policy's
+    logprobs of them recorded: :mod:`environments.inference.forced_tokens`)."""
     key = tools_key(tools)
     state = rollout.state
     if len(state.turns) + len(rollout.abandoned) >= limits.max_turns:
@@ -310,7 +313,11 @@ async def record_turn(rollout: InterceptedRollout, messages: list[Message],
     asked = time.monotonic()
     try:
         with sampling_seeds(rollout.seeds):  # (the handler is not the rollout's task)
-            generated = await rollout.backend.generate_from(context, budget)
+            forced = script[len(state.turns)] if script and len(state.turns) < len(
+                script) else None
+            generated = await (rollout.backend.generate_from(context, budget) if forced is None
+                               else rollout.backend.generate_from(context, budget,
+                                                                  forced=forced))
     except ContextLengthError as error:  # a server whose limit the start check missed
         undo()
         rollout.limit = "max_tokens"

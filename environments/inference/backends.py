@@ -64,6 +64,15 @@ def next_sampling_seed() -> int | None:
     return None if stream is None else next(stream)
 
 
+FORCED_EXTRA_ARG = "lachesis_forced_token_ids"
+"""(:data:`environments.inference.forced_tokens.EXTRA_ARG`, which imports vLLM.)"""
+CONSTRAINED = ("structured_outputs", "guided_regex", "guided_json", "guided_grammar",
+               "guided_choice", "response_format")
+"""Sampling parameters that make vLLM sample from a constrained distribution (structured
+outputs: a regex, JSON schema, grammar or choice): vLLM then reports the constrained
+distribution's logprobs. A forced turn leaves them out (they would mask its tokens)."""
+
+
 class VLLMBackend:
     trainable = True
 
@@ -77,11 +86,17 @@ class VLLMBackend:
     async def generate(self, state: Rollout, max_tokens: int) -> GeneratedTurn:
         return await self.generate_from(state.context, max_tokens)
 
-    async def generate_from(self, token_ids: list[int], max_tokens: int) -> GeneratedTurn:
+    async def generate_from(self, token_ids: list[int], max_tokens: int, *,
+                            forced: list[int] | None = None) -> GeneratedTurn:
         """One assistant turn continuing ``token_ids`` (which end with the generation
-        prompt)."""
+        prompt). ``forced``: the turn's token ids, given rather than sampled, with the
+        policy's own logprobs recorded (:mod:`environments.inference.forced_tokens`)."""
         seed = next_sampling_seed()
         sampling = self.sampling if seed is None else {**self.sampling, "seed": seed}
+        if forced is not None:
+            sampling = {k: v for k, v in sampling.items() if k not in CONSTRAINED}
+            sampling["extra_args"] = {**sampling.get("extra_args", {}),
+                                      FORCED_EXTRA_ARG: list(forced)}
         completion = await self.pool.complete(token_ids, max_tokens=max_tokens,
                                               sampling=sampling)
         return sampled_turn(self.renderer, self.stop_token_ids, completion.token_ids,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from environments.inference.backends import CONSTRAINED as CONSTRAINED_SAMPLING
 from lachesis.run.config import RunConfig, batch_problems, env_facts
 from lachesis.run.layout import Layout, build_layout, policy_model
 
@@ -40,12 +41,6 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """What will run but likely not as meant (printed, does not stop the run)."""
-
-
-CONSTRAINED_SAMPLING = ("structured_outputs", "guided_regex", "guided_json", "guided_grammar",
-                        "guided_choice", "response_format")
-"""Sampling parameters that make vLLM sample from a constrained distribution (structured
-outputs: a regex, JSON schema, grammar or choice)."""
 
 
 def constrained_sampling_warnings(config: RunConfig) -> list[str]:
