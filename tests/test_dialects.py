@@ -8,12 +8,19 @@ from __future__ import annotations
 import asyncio
 import json
 
+from pathlib import Path
+
 import aiohttp
 import anthropic
 import openai
+import pytest
 from test_proxy import CALL_REGEX, START, TOOLS, running_proxy
 
+from environments.blackbox.proxy import DIALECTS
+from environments.blackbox.recorder import InterceptedRollout
 from environments.trajectory import MASKED
+
+FIXTURES = Path(__file__).parent / "fixtures" / "harness_requests"
 
 FLAT_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's form
 ANTHROPIC_TOOLS = [{"name": "calculator", "description": TOOLS[0]["function"]["description"],
@@ -196,3 +203,55 @@ def test_scripted_turns_are_forced_and_keep_the_policys_own_logprobs(vllm_server
         recorded = state.logprobs[start:end]
         assert max(abs(a - b) for a, b in zip(mine, recorded)) < 1e-3, (mine, recorded)
         assert sum(recorded) < -5  # a random model gives the script's tokens little mass
+
+
+def captured(harness: str) -> list[tuple[str, object, dict]]:
+    """A harness's captured model calls, in order: (file name, dialect, body)."""
+    dialects = {d.path: d for d in DIALECTS}
+    calls = []
+    for path in sorted((FIXTURES / harness).glob("*.json")):
+        request = json.loads(path.read_text())
+        if request["method"] == "POST" and request["path"] in dialects:
+            calls.append((path.name, dialects[request["path"]], request["body"]))
+    return calls
+
+
+# harness capture -> (its shell tool, the wire API)
+EPISODES = {"pi": ("bash", "chat"), "opencode": ("bash", "chat"),
+            "codex": ("exec_command", "responses"), "codex-default": ("exec_command", "responses"),
+            "claude-code": ("Bash", "messages"), "mini-swe-agent": ("bash", "chat"),
+            "openai-agents-responses": ("bash", "responses"),
+            "openai-agents-responses-stream": ("bash", "responses"),
+            "openai-agents-chat": ("bash", "chat"), "openai-agents-chat-stream": ("bash", "chat")}
+
+
+@pytest.mark.parametrize("harness", sorted(EPISODES))
+def test_each_harness_request_as_captured_parses_renders_and_extends(harness):
+    """Every model call a shipped harness sent (tests/fixtures/harness_requests) is read
+    by its dialect without a refusal, renders through a ChatML template, and the call
+    after the tool result extends the first one exactly (so the proxy records one
+    segment): the first call's messages, then the assistant turn with the one shell call
+    the capture server made, then its result."""
+    from environments.inference.chat_template import ChatRenderer
+    from lachesis.tiny_model import build_tokenizer
+
+    tool, wire = EPISODES[harness]
+    renderer = ChatRenderer(build_tokenizer("qwen2"))
+    calls = [(name, dialect, dialect.parse(json.dumps(body).encode(),
+                                            InterceptedRollout("r", "t", None)))
+             for name, dialect, body in captured(harness)]
+    assert {dialect.name for _, dialect, _ in calls} == {wire}
+    (_, _, first), (_, _, second) = calls[:2]
+    for name, _, turn in calls:
+        assert tool in [t["function"]["name"] for t in turn.tools], name
+        assert renderer.prompt_ids([m.rendered for m in turn.messages], turn.tools)
+    n = len(first.messages)
+    assert [m.key for m in second.messages[:n]] == [m.key for m in first.messages]
+    assert second.tools == first.tools
+    reply, *results = second.messages[n:]
+    assert reply.rendered["role"] == "assistant"
+    [call] = reply.rendered["tool_calls"]
+    assert call["function"]["name"] == tool
+    assert "echo 42 > answer.txt" in json.dumps(call["function"]["arguments"])
+    assert [m.rendered["role"] for m in results][:1] == ["tool"]
+    assert results[0].rendered.get("tool_call_id") == call.get("id")

@@ -9,9 +9,10 @@ roles ``user`` / ``assistant``, content a string or blocks: ``text``; in user me
 ``tool_result`` (``tool_use_id``, ``content`` a string or ``text`` blocks, ``is_error``):
 each a tool message, in order, before the message's text; in assistant messages
 ``tool_use`` (``id``, ``name``, ``input``): the turn's tool calls. ``thinking`` and
-``redacted_thinking`` blocks are skipped (the proxy never emits any). Refused (400
-naming the field): images, documents and other block types; roles other than user and
-assistant.
+``redacted_thinking`` blocks are skipped (the proxy never emits any). A message with
+role ``system`` (Claude Code 2.1 sends one after the task: the list of its agent types)
+is a system message where it stands (its content a string or text blocks). Refused (400
+naming the field): images, documents and other block types; other roles.
 
 Tools: custom tools (``name``, ``description``, ``input_schema``) are served; server
 tools (a ``type`` such as ``web_search_20250305``, ``bash_20250124``) are accepted and
@@ -106,9 +107,12 @@ def _message(message: Any, index: int) -> list[Message]:
     where = f"messages[{index}]"
     check_object(message, where, "a message object")
     role = message.get("role")
+    if role == "system":  # (Claude Code sends one, a list of agent types, after the task)
+        return [make_message("system", _block_text(message.get("content"), f"{where}.content"))]
     if role not in ("user", "assistant"):
         got = "missing" if role is None else f"{role!r} is not"
-        raise RequestError(f"{where}.role: {got} user or assistant", param=f"{where}.role")
+        raise RequestError(f"{where}.role: {got} user, assistant or system",
+                           param=f"{where}.role")
     texts, calls, results = [], [], []
     for i, block in enumerate(_blocks(message.get("content"), f"{where}.content")):
         at = f"{where}.content[{i}]"
