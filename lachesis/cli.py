@@ -315,10 +315,17 @@ def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
                                 "(no downloads)")
     p.add_argument("out", type=Path, help="directory to write the HF model to")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", choices=["bytes", "arithmetic"], default="bytes",
+    p.add_argument("--tokenizer", choices=["bytes", "arithmetic", "corpus"], default="bytes",
                    help="bytes: byte-level, full Qwen-style tool prompt (the test model); "
                         "arithmetic: BPE learned on arithmetic_tool text, compact tool prompt "
-                        "(the quickstart's model)")
+                        "(the quickstart's model); corpus: BPE learned on the --corpus files, "
+                        "full tool prompt")
+    p.add_argument("--corpus", type=Path, nargs="+", metavar="PATH",
+                   help="files or directories the corpus tokenizer learns on (JSON: every "
+                        "string in it, e.g. requests captured from a harness, "
+                        "tests/fixtures/harness_requests)")
+    p.add_argument("--vocab-size", type=int, default=512,
+                   help="merges learned up to this vocabulary (arithmetic, corpus)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--family", choices=["qwen2", "qwen3", "llama"], default="qwen2",
@@ -347,7 +354,8 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
         path = make_tiny_model(args.out, seed=args.seed, tokenizer=args.tokenizer,
                                num_layers=args.layers, hidden_size=args.hidden_size,
                                family=args.family, tied=args.tied, template=args.template,
-                               max_position_embeddings=args.context_length)
+                               max_position_embeddings=args.context_length,
+                               vocab_size=args.vocab_size, corpus=args.corpus)
     except ValueError as error:
         print(f"lachesis make-tiny-model: {error}", file=sys.stderr)
         return 2

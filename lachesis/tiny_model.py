@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -216,9 +217,11 @@ def _chat_tokenizer(tok, chat_template: str, family: str = "qwen2"):
     return tokenizer
 
 
-def build_task_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
+def build_task_tokenizer(corpus: Iterable[str], vocab_size: int = 512,
+                         chat_template: str | None = None):
     """A BPE tokenizer learned on ``corpus`` (text the project generates), as a
-    `transformers.PreTrainedTokenizerFast` with the compact chat template.
+    `transformers.PreTrainedTokenizerFast` with ``chat_template`` (default: the compact
+    one).
 
     The same pipeline as :func:`build_tokenizer` (NFC, Qwen's split regex, ByteLevel), so
     transformers, vLLM and this function agree, and every byte is still a token (any text
@@ -236,7 +239,44 @@ def build_task_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
     tags = [*SPECIAL_TOKENS, *TOOL_TAGS]
     pieces = (part for text in corpus for part in re.split("|".join(map(re.escape, tags)), text))
     tok.train_from_iterator(pieces, trainer=trainer)
-    return _chat_tokenizer(tok, COMPACT_CHAT_TEMPLATE)
+    return _chat_tokenizer(tok, chat_template or COMPACT_CHAT_TEMPLATE)
+
+
+def file_corpus(paths: Iterable[str | Path]) -> list[str]:
+    """The text of ``paths`` (files, or directories read recursively) for a tokenizer to
+    learn on: of a JSON file every string in it (captured requests: system prompts, tool
+    schemas, messages), of any other file its text."""
+    import json
+
+    def strings(value: Any) -> Iterable[str]:
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield key
+                yield from strings(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from strings(item)
+
+    texts: list[str] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise ValueError(f"tokenizer corpus: {path} does not exist")
+        for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if not file.is_file():
+                continue
+            text = file.read_text(errors="replace")
+            if file.suffix == ".json":
+                try:
+                    texts += strings(json.loads(text))
+                    continue
+                except json.JSONDecodeError:
+                    pass
+            texts.append(text)
+    if not texts:
+        raise ValueError(f"tokenizer corpus: no text in {', '.join(map(str, paths))}")
+    return texts
 
 
 def arithmetic_corpus(n_conversations: int = 3000, seed: int = 0) -> list[str]:
@@ -271,10 +311,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-TOKENIZERS = ("bytes", "arithmetic")
+TOKENIZERS = ("bytes", "arithmetic", "corpus")
 """``bytes``: the byte-level tokenizer and the full Qwen-style template (the test model);
 ``arithmetic``: BPE merges learned on ``arithmetic_tool`` demonstrations and the compact
-template (the quickstart's model: its prompt is ~75 tokens instead of ~940)."""
+template (the quickstart's model: its prompt is ~75 tokens instead of ~940); ``corpus``:
+BPE merges learned on the text of ``corpus`` files (e.g. requests captured from agent
+harnesses: their prompts are 3-4 times shorter than in bytes) and the family's full
+template."""
 
 
 def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
@@ -282,14 +325,16 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
                     max_position_embeddings: int = 4096,
                     intermediate_size: int | None = None, tokenizer: str = "bytes",
                     vocab_size: int = 512, family: str = "qwen2", tied: bool = False,
-                    template: str | None = None) -> Path:
+                    template: str | None = None,
+                    corpus: Iterable[str | Path] | None = None) -> Path:
     """Write tokenizer + chat template + seeded random model to `out_dir`.
 
     ``tokenizer``: one of :data:`TOKENIZERS`; ``vocab_size``: the learned vocabulary's
     size for ``arithmetic`` (merges stop earlier when the corpus has no more pairs);
     ``family``: one of :data:`FAMILIES`; ``tied``: the output embedding is the input
     one; ``template``: one of :data:`TEMPLATES` (None: the family's own; ``compact`` for
-    the ``arithmetic`` tokenizer)."""
+    the ``arithmetic`` tokenizer); ``corpus``: the files the ``corpus`` tokenizer learns
+    its merges on (:func:`file_corpus`)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
     from transformers import AutoModelForCausalLM
@@ -304,8 +349,16 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
     _template(family, template if tokenizer == "bytes" or template != "compact" else None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if (tokenizer == "corpus") != (corpus is not None):
+        raise ValueError("tokenizer 'corpus' needs the corpus files, and only it takes them")
     if tokenizer == "bytes":
         tokenizer = build_tokenizer(family, template)
+    elif tokenizer == "corpus":
+        if family == "llama":
+            raise ValueError("the corpus tokenizer has ChatML specials: use family qwen2 or "
+                             "qwen3 with it")
+        tokenizer = build_task_tokenizer(file_corpus(corpus), vocab_size,
+                                         _template(family, template))
     else:
         tokenizer = build_task_tokenizer(arithmetic_corpus(seed=seed), vocab_size)
         if template not in (None, "compact"):
