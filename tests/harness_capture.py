@@ -2,6 +2,7 @@
 drive a harness through a two-turn episode and logs every request it gets.
 
     python tests/harness_capture.py --port 8799 --out /tmp/capture/pi
+    python tests/harness_capture.py --harness pi --out tests/fixtures/harness_requests/pi
 
 The harness is pointed at ``http://127.0.0.1:PORT/rollout/capture/v1`` (Anthropic clients
 at ``http://127.0.0.1:PORT/rollout/capture``: they append ``/v1/messages``), the path
@@ -25,7 +26,10 @@ summary request without tools) the text ``done``.
 Every request is written to ``OUT/NN-METHOD-PATH.json`` (``NN``: the order of arrival;
 ``PATH``: the path after the ``/rollout/capture`` prefix, ``/`` as ``_``): method, path,
 query, headers (credentials redacted) and the body (parsed JSON, or text). Standard
-library and aiohttp only.
+library and aiohttp only (``--harness NAME`` imports Lachesis: it installs the catalog's
+harness and runs it in a bwrap or docker sandbox exactly as a black-box env does, the
+requests reaching this server through the launcher's forwarding, and checks that the
+harness ran its tool call).
 """
 
 from __future__ import annotations
@@ -373,13 +377,23 @@ async def messages(request: web.Request, body: dict[str, Any],
     return response
 
 
-async def serve(port: int, out: Path) -> None:
+async def start_server(out: Path, port: int | None = None,
+                       unix_path: Path | None = None) -> web.AppRunner:
     capture = Capture(out)
     app = web.Application(client_max_size=64 << 20)
     app.router.add_route("*", "/{tail:.*}", capture.handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    if port is not None:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    if unix_path is not None:
+        await web.UnixSite(runner, str(unix_path)).start()
+        unix_path.chmod(0o666)
+    return runner
+
+
+async def serve(port: int, out: Path) -> None:
+    runner = await start_server(out, port=port)
     print(f"capture: listening on http://127.0.0.1:{port}{PREFIX}/v1, writing to {out}",
           flush=True)
     try:
@@ -388,14 +402,79 @@ async def serve(port: int, out: Path) -> None:
         await runner.cleanup()
 
 
+TASK = "Write the number 42 to answer.txt."
+
+
+async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
+                         image: str | None = None) -> int:
+    """Install the catalog harness ``name``, run it in a sandbox exactly as a black-box
+    env would (its install and config mounted read-only, ``$HOME`` seeded by the
+    launcher, no network: the launcher forwards loopback to this server's Unix socket)
+    through the two-turn episode, and check that its tool call ran (answer.txt)."""
+    import shutil
+    import tempfile
+
+    from environments.blackbox.agents.runtime import LAUNCHER, MOUNT, build_runtime
+    from environments.blackbox.harnesses import (
+        HARNESS_MOUNT, HOME_SEED, SANDBOX_HOME, RolloutSpec, get, install, write_seed)
+    from environments.sandbox import SandboxConfig, create_sandbox
+
+    harness = get(name)
+    root = install(harness, log=print)
+    work = Path(tempfile.mkdtemp(prefix="lachesis-capture-"))
+    work.chmod(0o755)
+    (work / "socket").mkdir(mode=0o755)
+    (work / "seed").mkdir()
+    runner = await start_server(out, unix_path=work / "socket" / "capture.sock")
+    try:
+        launch = harness.launch(RolloutSpec(
+            base_url=f"http://127.0.0.1:8765{PREFIX}/v1", token="capture-token",
+            model=MODEL, task=TASK, context_window=32768, max_output_tokens=1024))
+        write_seed(work / "seed", launch.files, launch.stdin)
+        options = ["--home", f"{HOME_SEED}/home"]
+        if launch.stdin is not None:
+            options += ["--stdin", f"{HOME_SEED}/stdin"]
+        config = SandboxConfig(
+            backend=backend, image=image, memory_mb=harness.memory_mb, timeout_s=300,
+            cpu_time_s=600, max_output_bytes=1 << 20, ro_mounts={
+                str(build_runtime()): MOUNT, str(work / "socket"): "/run/lachesis",
+                str(root): HARNESS_MOUNT, str(work / "seed"): HOME_SEED})
+        async with await create_sandbox(config) as box:
+            result = await box.exec(
+                ["python3", LAUNCHER, "--listen", "8765", "--socket",
+                 "/run/lachesis/capture.sock", *options, "--", *launch.argv],
+                env={**launch.env, "HOME": SANDBOX_HOME})
+            try:
+                answer = (await box.read_file("answer.txt")).decode()
+            except FileNotFoundError:
+                answer = None
+        print(f"capture: {name} {result.how_it_ended} in {result.duration_s:.1f} s; "
+              f"answer.txt: {answer!r}")
+        if result.exit_code != 0 or answer != "42\n":
+            print(f"stdout: {result.stdout[-3000:]}\nstderr: {result.stderr[-3000:]}")
+            return 1
+        return 0
+    finally:
+        await runner.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8799)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--harness", help="instead of serving: run this catalog harness "
+                        "in a sandbox through the episode (installing it if need be)")
+    parser.add_argument("--backend", default="bwrap", help="with --harness: the sandbox "
+                        "backend (bwrap or docker)")
+    parser.add_argument("--image", help="with --harness --backend docker: the image")
     parser.add_argument("--input-tokens", type=int, default=None,
                         help="input tokens every reply reports (default: 100; Anthropic: "
                              "the body's size / 4)")
     args = parser.parse_args()
     if args.input_tokens is not None:
         USAGE.update(input_tokens=args.input_tokens, forced=args.input_tokens)
+    if args.harness:
+        raise SystemExit(asyncio.run(run_in_sandbox(args.harness, args.out, args.backend,
+                                                    args.image)))
     asyncio.run(serve(args.port, args.out))
