@@ -412,8 +412,10 @@ async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
     launcher, no network: the launcher forwards loopback to this server's Unix socket)
     through the two-turn episode, and check that its tool call ran (answer.txt)."""
     import shutil
+    import sys
     import tempfile
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's code
     from environments.blackbox.agents.runtime import LAUNCHER, MOUNT, build_runtime
     from environments.blackbox.harnesses import (
         HARNESS_MOUNT, HOME_SEED, SANDBOX_HOME, RolloutSpec, get, install, write_seed)
