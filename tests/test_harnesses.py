@@ -121,7 +121,7 @@ def test_the_python_harnesses_run_their_own_python_without_our_packages():
     assert mini.argv[mini.argv.index("--model") + 1] == "openai/tiny"
     agents = HARNESSES["openai-agents"].launch(SPEC)
     assert agents.argv == [f"{HARNESS_MOUNT}/bin/python", f"{MOUNT}/openai_agents_agent.py"]
-    assert agents.env["OPENAI_AGENTS_API"] == "responses"
+    assert agents.env["OPENAI_AGENTS_API"] == "responses" and agents.env["AGENT_STREAM"] == "1"
     assert (REPO / "environments/blackbox/agents/openai_agents_agent.py").is_file()
     assert install_commands(HARNESSES["mini-swe-agent"], Path("/x"))[0][:3] == [
         "/usr/bin/python3", "-m", "venv"]

@@ -271,8 +271,12 @@ def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
 
 
 def _openai_agents(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # Streamed: a reply cut at max_tokens ends a stream with response.completed at the
+    # proxy, but a Response object's status "incomplete" makes the SDK raise
+    # ModelBehaviorError (the agent exits 1).
     env = {**_common(rollout), "LACHESIS_TASK": rollout.task,
-           "OPENAI_AGENTS_API": "responses", "OPENAI_AGENTS_DISABLE_TRACING": "1"}
+           "OPENAI_AGENTS_API": "responses", "OPENAI_AGENTS_DISABLE_TRACING": "1",
+           "AGENT_STREAM": "1"}
     argv = [harness.program(rollout), f"{rollout.runtime_dir}/openai_agents_agent.py"]
     return Launch(argv, env)
 
@@ -335,9 +339,9 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "a format error left out of the next request's history (a new segment)"),
     Harness("openai-agents", "pypi", "openai-agents", "0.24.0", "responses", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_openai_agents,
-            notes="Lachesis's openai_agents_agent.py on the SDK; OPENAI_AGENTS_API="
-                  "chat_completions (agent_env) switches it to Chat Completions; "
-                  "tracing off"),
+            notes="Lachesis's openai_agents_agent.py on the SDK, streamed; "
+                  "OPENAI_AGENTS_API=chat_completions (agent_env) switches it to Chat "
+                  "Completions; tracing off"),
 ]}
 """The catalog, by name (the ``agent`` of a black-box env's config)."""
 
