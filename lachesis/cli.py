@@ -594,6 +594,56 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0 if result.groups or not result.bad_lines else 1
 
 
+def _add_harness(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "harness", help="the agent harness catalog: list it, install a harness",
+        description="Agent harnesses a black-box env can name (agent: NAME), each at a "
+        "pinned version installed into the cache ($LACHESIS_HARNESS_CACHE, default "
+        "~/.cache/lachesis/harnesses; root: /var/cache/lachesis/harnesses). Envs install "
+        "on first use; this does it ahead of time.")
+    actions = p.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="the catalog: name, package, version, wire API, "
+                       "memory, installed or not").set_defaults(run=_run_harness_list)
+    install = actions.add_parser("install", help="install a harness into the cache (no-op "
+                                 "when it is there)")
+    install.add_argument("name", nargs="+", help="harness name(s), or 'all'")
+    install.set_defaults(run=_run_harness_install)
+
+
+def _run_harness_list(args: argparse.Namespace) -> int:
+    from environments.blackbox.harnesses import HARNESSES, cache_root, installed
+
+    print(f"cache: {cache_root()}")
+    rows = [("name", "package", "version", "wire API", "memory MB", "installed")]
+    for h in HARNESSES.values():
+        where = installed(h)
+        rows.append((h.name, f"{h.registry}:{h.package}", h.version, h.wire_api,
+                     str(h.memory_mb), str(where) if where else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _run_harness_install(args: argparse.Namespace) -> int:
+    from environments.blackbox.harnesses import HARNESSES, HarnessError, get, install
+
+    names = list(HARNESSES) if args.name == ["all"] else args.name
+    try:
+        harnesses = [get(name) for name in names]
+    except HarnessError as error:
+        print(f"lachesis harness install: {error}", file=sys.stderr)
+        return 2
+    for harness in harnesses:
+        try:
+            where = install(harness, log=lambda line: print(line, file=sys.stderr))
+        except HarnessError as error:
+            print(f"lachesis harness install: {error}", file=sys.stderr)
+            return 1
+        print(f"{harness.name} {harness.version}: {where}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["env"]:  # its flags depend on the env's config class
@@ -610,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(subparsers)
     _add_inspect(subparsers)
     _add_report(subparsers)
+    _add_harness(subparsers)
     subparsers.add_parser("train", help="train the policy (lachesis train --help)", add_help=False)
     args = parser.parse_args(argv)
     return args.run(args)

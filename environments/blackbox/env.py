@@ -12,6 +12,14 @@ grading needs (into ``rollout.extra``) and the env scores the recorded turns lik
 other rollout. The agent never sees its reward: grading runs host-side, on files copied
 out of the sandbox.
 
+A harness from the catalog (:mod:`environments.blackbox.harnesses`: Pi, Codex, Claude
+Code, OpenCode, mini-swe-agent, openai-agents) is picked with ``agent: NAME`` in the
+config: its pinned version is installed into the cache at ``start`` (before any rollout),
+mounted read-only at ``/opt/harness``, and each rollout writes the harness's config files
+(its provider entry at the proxy, the settings against extra requests) into a fresh
+``$HOME`` on the sandbox's private ``/tmp``. The harness's environment is the catalog's
+for it (plus ``agent_env``): nothing of Lachesis's, no ``PYTHONPATH``.
+
 Hooks (besides ``BaseEnv``'s ``get_next_item`` and the reward hooks)::
 
     agent_task(item)                     the task text the agent gets ($LACHESIS_TASK)
@@ -30,14 +38,16 @@ or an error in the proxy).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from environments.blackbox.agents.runtime import (
     LAUNCHER,
@@ -46,6 +56,19 @@ from environments.blackbox.agents.runtime import (
     build_runtime,
     check_sandbox_python,
     runtime_env,
+)
+from environments.blackbox.harnesses import (
+    HARNESS_MOUNT,
+    HARNESSES,
+    HOME_SEED,
+    SANDBOX_HOME,
+    Harness,
+    HarnessError,
+    RolloutSpec,
+    check_reachable,
+    install,
+    install_hint,
+    write_seed,
 )
 from environments.framework.sandbox_tools import SandboxEnvConfig, SandboxEnvMixin
 from environments.rollout import Rollout
@@ -57,10 +80,37 @@ SOCKET_DIR = "/run/lachesis"
 """Where the proxy's socket directory appears inside sandboxes."""
 AGENT_PORT = 8765
 """The loopback port of the model endpoint inside sandboxes."""
+DEFAULT_MAX_OUTPUT_TOKENS = 1024
+"""What a harness is told to ask for per reply when ``max_tokens_per_turn`` is not set."""
+TAIL_CHARS = 500
+"""How much of the agent's stdout and stderr an :class:`AgentError` quotes."""
+
+AgentName = Literal["command", "pi", "codex", "claude-code", "opencode", "mini-swe-agent",
+                    "openai-agents"]
 
 
 class AgentError(RuntimeError):
     """The agent run cannot be scored (it hung, crashed, or never called the model)."""
+
+
+def _tail(text: str, chars: int = TAIL_CHARS) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= chars else "..." + text[-chars:])
+
+
+def describe_run(rollout: Any, result: Any) -> str:
+    """What an agent run did, for an error message: its model calls (how many, their
+    HTTP statuses when the proxy recorded them), the paths the proxy did not serve, and
+    the tails of its stdout and stderr (harnesses report on either)."""
+    requests = getattr(rollout, "requests", 0)
+    statuses = list(getattr(rollout, "statuses", []) or [])
+    unserved = list(getattr(rollout, "unserved", []) or [])
+    calls = f"it made {requests} model call{'s' if requests != 1 else ''}"
+    if statuses:
+        calls += f" (HTTP {', '.join(map(str, statuses))})"
+    if unserved:
+        calls += f"; requests the proxy does not serve: {', '.join(unserved)}"
+    return (f"{calls}; stdout: {_tail(result.stdout)}; stderr: {_tail(result.stderr)}")
 
 
 @dataclass
@@ -102,8 +152,19 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     sandbox_cpu_time_s: int = Field(default=600, ge=1)
     """CPU seconds per process (the agent is one long-lived process)."""
     sandbox_memory_mb: int = Field(default=2048, ge=16)
+    """Memory limit of the agent's sandbox (bwrap: address space per process; docker: the
+    container). With a catalog ``agent`` the default is raised to what the harness needs
+    (Node and Bun reserve a lot of address space), and a smaller value set here is
+    refused."""
+    agent: AgentName = "command"
+    """The agent program: ``command`` (the env's ``agent_command``, by default the
+    reference agent) or a harness of the catalog (``pi``, ``codex``, ``claude-code``,
+    ``opencode``, ``mini-swe-agent``, ``openai-agents``; see docs/harnesses.md), installed
+    at its pinned version on first use and run with the config that points it at the
+    proxy."""
     agent_env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment variables of the agent (e.g. ``AGENT_STREAM: "1"``)."""
+    """Extra environment variables of the agent (e.g. ``AGENT_STREAM: "1"``); they win
+    over the catalog's."""
     scripted_turns: list[str] = Field(default_factory=list)
     """The text of each rollout's first turns (in the model's own format, e.g. a Hermes
     ``<tool_call>`` block), forced token by token instead of sampled; vLLM still records
@@ -111,6 +172,20 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     (:mod:`environments.inference.forced_tokens`). A scripted episode (a tool call the
     harness runs in the sandbox, then an answer) for smoke tests of a harness with a
     random model; not for learning (forced tokens are not the policy's samples)."""
+
+    @model_validator(mode="after")
+    def _harness_memory(self) -> BlackBoxEnvConfig:
+        if self.agent == "command":
+            return self
+        harness = HARNESSES[self.agent]
+        if "sandbox_memory_mb" not in self.model_fields_set:
+            self.sandbox_memory_mb = max(self.sandbox_memory_mb, harness.memory_mb)
+        elif self.sandbox_memory_mb < harness.min_memory_mb:
+            raise ValueError(
+                f"agent: {self.agent} needs sandbox_memory_mb of {harness.min_memory_mb} at "
+                f"least (it does not start under less; {harness.memory_mb} by default), not "
+                f"{self.sandbox_memory_mb}")
+        return self
 
 
 class BlackBoxEnvMixin(SandboxEnvMixin):
@@ -125,6 +200,8 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         self._socket_dir: Path | None = None
         self._runtime: Path | None = None
         self._checked_images: set[str | None] = set()
+        self._harness: Harness | None = None
+        self._harness_dir: Path | None = None
 
     def agent_task(self, item: Any) -> str:
         """The task text handed to the agent (environment variable ``LACHESIS_TASK``)."""
@@ -149,6 +226,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         await super().start()
         if not isinstance(self.backend, VLLMBackend):
             raise ValueError("black-box envs record tokens from vLLM: set inference: vllm")
+        await self._install_harness()
         self._runtime = build_runtime()
         self._socket_dir = Path(tempfile.mkdtemp(prefix="lachesis-proxy-"))
         self._socket_dir.chmod(0o755)
@@ -161,6 +239,28 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         await self.proxy.start(unix_path=self._socket_dir / "proxy.sock")
         log.info("interception proxy on %s and %s", self.proxy.url, self.proxy.unix_path)
 
+    async def _install_harness(self) -> None:
+        """The catalog harness of ``agent``, installed if it is not yet (once per cache;
+        concurrent envs wait for each other)."""
+        name = self.config.agent
+        if name == "command":
+            return
+        if type(self).agent_command is not BlackBoxEnvMixin.agent_command:
+            raise ValueError(f"{type(self).__name__} overrides agent_command and its config "
+                             f"names agent: {name}; the harness's command comes from the "
+                             "catalog: drop one of them")
+        harness = HARNESSES[name]
+        try:
+            self._harness_dir = await asyncio.to_thread(install, harness, log=log.info)
+            if self.config.sandbox_backend == "bwrap" and os.geteuid() == 0:
+                check_reachable(self._harness_dir)
+        except HarnessError as error:
+            raise HarnessError(f"{error}\n(agent: {name}; install it by hand with "
+                               f"`{install_hint(harness)}`)") from error
+        self._harness = harness
+        log.info("agent: harness %s (%s, %s API) from %s", name, harness.spec,
+                 harness.wire_api, self._harness_dir)
+
     async def close(self) -> None:
         if self.proxy is not None:
             await self.proxy.close()
@@ -168,34 +268,71 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         await super().close()
 
-    def _agent_launch(self, item: Any, rollout: Any) -> tuple[list[str], dict[str, str],
-                                                               dict[str, str]]:
-        """(command, environment, mounts) of one agent run."""
+    def _agent_launch(self, item: Any, rollout: Any, home_dir: Path | None = None
+                      ) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """(command, environment, mounts) of one agent run; a catalog harness's files go
+        into ``home_dir`` (a new host directory, removed after the run)."""
         proxy = self.proxy
-        mounts = {str(self._runtime): MOUNT}
-        if self.config.sandbox_backend == "unsafe_subprocess":  # host network, host paths
-            command, base_url, mounts = [], proxy.base_url(rollout), {}
-            env = runtime_env(self._runtime)
-            agent = [a.replace(MOUNT, str(self._runtime)) for a in self.agent_command(item)]
+        unsafe = self.config.sandbox_backend == "unsafe_subprocess"  # host network and paths
+        mounts = {} if unsafe else {str(self._runtime): MOUNT,
+                                    str(self._socket_dir): SOCKET_DIR}
+        if unsafe:
+            base_url, launcher = proxy.base_url(rollout), [LAUNCHER.replace(MOUNT, str(self._runtime))]
         else:
-            mounts[str(self._socket_dir)] = SOCKET_DIR
-            command = ["python3", LAUNCHER, "--listen", str(AGENT_PORT),
-                       "--socket", f"{SOCKET_DIR}/proxy.sock", "--"]
             base_url = proxy.base_url(rollout, f"http://127.0.0.1:{AGENT_PORT}")
+            launcher = [LAUNCHER, "--listen", str(AGENT_PORT),
+                        "--socket", f"{SOCKET_DIR}/proxy.sock"]
+        if self._harness is not None:
+            return self._harness_launch(item, rollout, base_url, launcher, mounts, home_dir)
+        if unsafe:
+            env = runtime_env(self._runtime)
+            command = [a.replace(MOUNT, str(self._runtime)) for a in self.agent_command(item)]
+        else:
             env = runtime_env()
-            agent = self.agent_command(item)
+            command = ["python3", *launcher, "--", *self.agent_command(item)]
         env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": rollout.token,
                     "OPENAI_MODEL": proxy.model_name, "LACHESIS_TASK": self.agent_task(item),
                     **self.config.agent_env})
-        return command + agent, env, mounts
+        return command, env, mounts
+
+    def _harness_launch(self, item: Any, rollout: Any, base_url: str, launcher: list[str],
+                        mounts: dict[str, str], home_dir: Path | None
+                        ) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """A catalog harness: its files written into ``home_dir`` (the seed the launcher
+        copies into ``$HOME``), its install and the seed mounted read-only."""
+        if home_dir is None:
+            raise ValueError("a harness run needs a directory for its files")
+        c = self.config
+        unsafe = c.sandbox_backend == "unsafe_subprocess"
+        seed, home = home_dir / "home", (str(home_dir / "run-home") if unsafe else SANDBOX_HOME)
+        spec = RolloutSpec(
+            base_url=base_url, token=rollout.token, model=self.proxy.model_name,
+            task=self.agent_task(item),
+            install_dir=str(self._harness_dir) if unsafe else HARNESS_MOUNT, home=home,
+            runtime_dir=str(self._runtime) if unsafe else MOUNT,
+            context_window=c.max_token_length,
+            max_output_tokens=c.max_tokens_per_turn or DEFAULT_MAX_OUTPUT_TOKENS)
+        launch = self._harness.launch(spec)
+        write_seed(home_dir, launch.files, launch.stdin)
+        inside = str(home_dir) if unsafe else HOME_SEED
+        if not unsafe:
+            mounts = {**mounts, str(self._harness_dir): HARNESS_MOUNT, str(home_dir): HOME_SEED}
+        options = ["--home", f"{inside}/home"]
+        if launch.stdin is not None:
+            options += ["--stdin", f"{inside}/stdin"]
+        command = ["python3", *launcher, *options, "--", *launch.argv]
+        env = {**launch.env, "HOME": home, **c.agent_env}
+        return command, env, mounts
 
     async def collect_trajectory(self, item: Any, *, evaluation: bool = False) -> Rollout:
         """One agent run in a fresh sandbox, its model calls recorded by the proxy."""
         item_id = self.item_id(item)
         rollout = self.proxy.open_rollout(self.eval_backend if evaluation else self.backend)
-        command, env, mounts = self._agent_launch(item, rollout)
+        home_dir = (Path(tempfile.mkdtemp(prefix="lachesis-agent-home-"))
+                    if self._harness is not None else None)
         finished = False
         try:
+            command, env, mounts = self._agent_launch(item, rollout, home_dir)
             async with await self.new_sandbox(image=self.sandbox_image(item),
                                               ro_mounts=mounts) as box:
                 await self._check_runtime(box)
@@ -214,6 +351,8 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         finally:
             if not finished:
                 await self.proxy.finish_rollout(rollout)
+            if home_dir is not None:
+                shutil.rmtree(home_dir, ignore_errors=True)
         return state
 
     async def _check_runtime(self, box: Any) -> None:
@@ -221,6 +360,7 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
         must be able to import the runtime's packages."""
         image = getattr(box, "image", None)
         if (image in self._checked_images or self.config.sandbox_backend == "unsafe_subprocess"
+                or self._harness is not None
                 or type(self).agent_command is not BlackBoxEnvMixin.agent_command):
             return
         result = await box.exec(["python3", "--version"], env=runtime_env())
@@ -240,20 +380,23 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
                                 "stderr_tail": result.stderr[-2000:]}
         if rollout.failure is not None:
             raise AgentError(f"item {item_id}: a model call failed during the agent run: "
-                             f"{rollout.failure}")
+                             f"{rollout.failure}; {describe_run(rollout, result)}")
         if result.timed_out:
             stats.timeouts += 1
             raise AgentError(f"item {item_id}: the agent ran past agent_timeout_s "
-                             f"({self.config.agent_timeout_s:g} s) and was killed")
+                             f"({self.config.agent_timeout_s:g} s) and was killed; "
+                             f"{describe_run(rollout, result)}")
         if not state.turns:
             stats.no_model_calls += 1
-            raise AgentError(f"item {item_id}: the agent {result.how_it_ended} without "
-                             f"calling the model; stderr: {result.stderr[-500:].strip()!r}")
+            what = ("without calling the model" if not rollout.requests else
+                    "without a recorded turn (none of its model calls was served)")
+            raise AgentError(f"item {item_id}: the agent {result.how_it_ended} {what}; "
+                             f"{describe_run(rollout, result)}")
         if result.exit_code != 0:
             if rollout.limit is None:
                 stats.crashes += 1
                 raise AgentError(f"item {item_id}: the agent {result.how_it_ended}; "
-                                 f"stderr: {result.stderr[-500:].strip()!r}")
+                                 f"{describe_run(rollout, result)}")
             stats.limit_exits += 1
 
     def to_trajectory(self, item: Any, rollout: Rollout, scores: Any) -> Any:

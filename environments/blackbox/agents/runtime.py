@@ -1,9 +1,11 @@
 """The agent runtime: a read-only directory mounted into every black-box sandbox.
 
-It holds the reference agent, the launcher (:mod:`environments.blackbox.agents.launch`) and, under
-``site/``, the ``openai`` package and everything it requires, copied from this Python
-environment (no network needed). The sandbox's own ``python3`` imports them with
-``PYTHONPATH=/opt/lachesis/site``, so its minor version must match this interpreter's
+It holds the reference agent, the launcher (:mod:`environments.blackbox.agents.launch`),
+the agent script of the catalog's ``openai-agents`` harness (run by that harness's own
+Python, never with ``site/``) and, under ``site/``, the ``openai`` package and everything
+it requires, copied from this Python environment (no network needed). The sandbox's own
+``python3`` imports them with ``PYTHONPATH=/opt/lachesis/site`` when it runs the reference
+agent, so its minor version must match this interpreter's
 (binary wheels such as ``pydantic_core`` are built for one); :func:`check_sandbox_python`
 says so clearly when it does not.
 
@@ -26,7 +28,7 @@ from packaging.requirements import Requirement
 MOUNT = "/opt/lachesis"
 """Where the runtime appears inside sandboxes."""
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("reference_agent.py", "launch.py")
+SCRIPTS = ("reference_agent.py", "launch.py", "openai_agents_agent.py")
 REFERENCE_AGENT = f"{MOUNT}/reference_agent.py"
 LAUNCHER = f"{MOUNT}/launch.py"
 

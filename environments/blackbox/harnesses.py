@@ -1,0 +1,493 @@
+"""The harness catalog: agent programs people ship, installed from their registries and
+run as black-box agents through the interception proxy.
+
+    from environments.blackbox.harnesses import HARNESSES, install, RolloutSpec
+
+    harness = HARNESSES["pi"]
+    root = install(harness)                        # once: the cache, under a lock
+    launch = harness.launch(RolloutSpec(...))      # per rollout: argv, env, files
+
+Each :class:`Harness` names its registry (npm or PyPI), package and pinned version, the
+wire API it speaks (``chat``: Chat Completions, ``responses``: the OpenAI Responses API,
+``messages``: Anthropic Messages), the memory it needs, and how one rollout runs it:
+the command line (one prompt, non-interactive, its own approvals and sandbox off: our
+sandbox is the sandbox), the environment variables, and the files written into the
+rollout's ``$HOME`` (its provider entry pointing at the proxy, and the settings that stop
+requests which would otherwise be recorded and trained as agent turns: Pi's compaction,
+OpenCode's title agent, Codex's compaction, Claude Code's title and quota calls,
+mini-swe-agent's retries, update checks, telemetry). docs/harnesses.md says, harness by
+harness, what was measured.
+
+Installs live in a cache, ``$LACHESIS_HARNESS_CACHE`` or ``~/.cache/lachesis/harnesses``
+(root: ``/var/cache/lachesis/harnesses``: root's sandboxes run under other uids, which
+cannot enter ``/root``), one directory per ``NAME-VERSION``. An install is made
+in a staging directory beside it under an exclusive lock (``fcntl.flock``; a second
+process waits, then finds it done), checked (the entry program must exist), made
+readable by every uid (sandboxes run under their own), marked, and renamed into place:
+a half-done install is never used, and a crashed one leaves only a staging directory,
+removed by the next install. npm packages install with ``npm install --prefix``; PyPI
+packages into a venv made by the sandbox's own ``/usr/bin/python3`` (so its
+``bin/python`` runs inside a sandbox whose ``/usr`` is the host's, wherever the venv is
+mounted).
+
+Nothing here imports the rest of Lachesis: the env (:mod:`environments.blackbox.env`)
+mounts the install read-only at :data:`HARNESS_MOUNT`, the rollout's files at
+:data:`HOME_SEED`, and the launcher copies those into ``$HOME`` before it starts the
+harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+HARNESS_MOUNT = "/opt/harness"
+"""Where a harness's install appears inside sandboxes (read-only)."""
+HOME_SEED = "/opt/lachesis-home"
+"""Where the rollout's config files appear inside sandboxes (read-only); the launcher
+copies them into ``$HOME``."""
+SANDBOX_HOME = "/tmp/lachesis-home"
+"""``$HOME`` of a harness inside sandboxes: on the sandbox's private /tmp, so nothing the
+harness keeps (sessions, logs, caches) lands in the graded workspace."""
+CACHE_ENV = "LACHESIS_HARNESS_CACHE"
+MARKER = ".lachesis-installed"
+"""Written last into a finished install: what was installed, with which command."""
+PYTHON = "/usr/bin/python3"
+"""The Python that PyPI harnesses' venvs are made with: the sandbox's (its /usr is the
+host's)."""
+
+WireAPI = Literal["chat", "responses", "messages"]
+
+
+class HarnessError(RuntimeError):
+    """A harness cannot be installed or used (the message says which, and what to run)."""
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What one rollout's launch needs to know. Paths are as the harness sees them."""
+
+    base_url: str
+    """The proxy's OpenAI-style base URL of this rollout (ends with ``/v1``)."""
+    token: str
+    """The rollout's API key."""
+    model: str
+    """The model name the proxy serves."""
+    task: str
+    install_dir: str = HARNESS_MOUNT
+    """Where the harness's install is."""
+    home: str = SANDBOX_HOME
+    """The harness's ``$HOME`` (the launcher fills it from the rollout's files)."""
+    runtime_dir: str = "/opt/lachesis"
+    """Where Lachesis's agent runtime (launcher, bundled agent scripts) is."""
+    context_window: int = 4096
+    """Tokens per context the proxy allows (``max_token_length``): told to harnesses that
+    size their prompts or reserve room by it."""
+    max_output_tokens: int = 1024
+    """Tokens per reply the harness should ask for at most."""
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The base URL for Anthropic clients: the proxy's, without ``/v1`` (the client
+        appends ``/v1/messages``)."""
+        return self.base_url.removesuffix("/").removesuffix("/v1")
+
+
+@dataclass
+class Launch:
+    """How one rollout starts its harness."""
+
+    argv: list[str]
+    env: dict[str, str]
+    """The harness's whole environment besides ``PATH``, ``HOME`` and ``LANG`` (nothing
+    of Lachesis's that it did not ask for: no ``PYTHONPATH``)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Files to put in ``$HOME`` before it starts: ``{path relative to $HOME: text}``."""
+    stdin: str | None = None
+    """Text on the harness's standard input (None: empty)."""
+
+
+@dataclass(frozen=True)
+class Harness:
+    """One catalog entry."""
+
+    name: str
+    registry: Literal["npm", "pypi"]
+    package: str
+    version: str
+    wire_api: WireAPI
+    entry: str
+    """The program, relative to the install directory (checked after an install)."""
+    min_memory_mb: int
+    """The smallest ``sandbox_memory_mb`` it ran a two-turn episode under here (bwrap's
+    limit is the address space, which Node and Bun reserve generously)."""
+    memory_mb: int
+    """The ``sandbox_memory_mb`` an env gets by default when it picks this harness."""
+    launcher: Callable[[Harness, RolloutSpec], Launch]
+    pip_requirements: tuple[str, ...] = ()
+    """PyPI: further requirements installed with the package."""
+    notes: str = ""
+    """What it sends besides agent turns, and what the catalog sets against it."""
+
+    @property
+    def spec(self) -> str:
+        """The registry's name for the pinned package: ``pkg@1.2.3`` or ``pkg==1.2.3``."""
+        return (f"{self.package}@{self.version}" if self.registry == "npm"
+                else f"{self.package}=={self.version}")
+
+    def launch(self, rollout: RolloutSpec) -> Launch:
+        return self.launcher(self, rollout)
+
+    def program(self, rollout: RolloutSpec) -> str:
+        return f"{rollout.install_dir}/{self.entry}"
+
+
+# -- per-harness launches -------------------------------------------------------------------
+def _common(rollout: RolloutSpec) -> dict[str, str]:
+    """What every OpenAI-style harness reads: the proxy's URL, the key, the model."""
+    return {"OPENAI_BASE_URL": rollout.base_url, "OPENAI_API_KEY": rollout.token,
+            "OPENAI_MODEL": rollout.model}
+
+
+def _pi(harness: Harness, rollout: RolloutSpec) -> Launch:
+    models = {"providers": {"lachesis": {
+        "baseUrl": rollout.base_url, "api": "openai-completions",
+        "apiKey": "OPENAI_API_KEY",  # Pi reads a value naming a variable from it
+        "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
+        "models": [{"id": rollout.model, "contextWindow": rollout.context_window,
+                    "maxTokens": rollout.max_output_tokens}]}}}
+    settings = {"compaction": {"enabled": False},
+                "retry": {"enabled": False, "provider": {"maxRetries": 0}},
+                "enableInstallTelemetry": False}
+    env = {**_common(rollout), "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1",
+           "PI_TELEMETRY": "0", "NODE_OPTIONS": "--disable-wasm-trap-handler"}
+    argv = [harness.program(rollout), "-p", "--no-session", "--provider", "lachesis",
+            "--model", rollout.model, rollout.task]
+    return Launch(argv, env, {".pi/agent/models.json": _json(models),
+                              ".pi/agent/settings.json": _json(settings)})
+
+
+def _opencode(harness: Harness, rollout: RolloutSpec) -> Launch:
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"lachesis": {
+            "npm": "@ai-sdk/openai-compatible", "name": "Lachesis",
+            "options": {"baseURL": rollout.base_url, "apiKey": "{env:OPENAI_API_KEY}"},
+            "models": {rollout.model: {"name": rollout.model, "limit": {
+                "context": rollout.context_window, "output": rollout.max_output_tokens}}}}},
+        "model": f"lachesis/{rollout.model}", "small_model": f"lachesis/{rollout.model}",
+        "agent": {"title": {"disable": True}}, "autoupdate": False, "share": "disabled",
+        "permission": {"*": "allow"}}
+    env = {**_common(rollout), "OPENCODE_CONFIG_CONTENT": json.dumps(config),
+           "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+           "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1",
+           "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_AUTOCOMPACT": "1",
+           "OPENCODE_DISABLE_PRUNE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1"}
+    # The task goes on stdin: `opencode run MESSAGE` wraps an argument with spaces in
+    # quotes before the model sees it.
+    argv = [harness.program(rollout), "run", "--pure", "--auto", "-m",
+            f"lachesis/{rollout.model}"]
+    return Launch(argv, env, stdin=rollout.task)
+
+
+def _toml(value: object) -> str:
+    return json.dumps(value)  # a JSON string or number is a TOML one
+
+
+def _codex(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # Codex compacts (an extra request, trained as a turn) once the usage the server
+    # reports passes 90 % of the window it believes in, whatever
+    # model_auto_compact_token_limit says: it is told of a window no episode reaches, so
+    # the proxy's max_token_length ends an episode (context_length_exceeded) instead.
+    config = "\n".join([
+        f"model = {_toml(rollout.model)}",
+        'model_provider = "lachesis"',
+        'approval_policy = "never"',
+        'sandbox_mode = "danger-full-access"',
+        "check_for_update_on_startup = false",
+        'web_search = "disabled"',
+        "model_context_window = 1000000000",
+        "model_auto_compact_token_limit = 1000000000",
+        "",
+        "[model_providers.lachesis]",
+        'name = "Lachesis"',
+        f"base_url = {_toml(rollout.base_url)}",
+        'env_key = "OPENAI_API_KEY"',
+        'wire_api = "responses"',
+        "request_max_retries = 0",
+        "stream_max_retries = 0",
+        "",
+        "[analytics]",
+        "enabled = false",
+        ""])
+    env = {**_common(rollout), "CODEX_HOME": f"{rollout.home}/.codex"}
+    argv = [harness.program(rollout), "exec", "--skip-git-repo-check",
+            "--dangerously-bypass-approvals-and-sandbox", "--ephemeral", "--color", "never",
+            "--", rollout.task]
+    return Launch(argv, env, {".codex/config.toml": config})
+
+
+def _claude_code(harness: Harness, rollout: RolloutSpec) -> Launch:
+    model = rollout.model
+    env = {
+        "ANTHROPIC_BASE_URL": rollout.anthropic_base_url, "ANTHROPIC_API_KEY": rollout.token,
+        "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "CLAUDE_CODE_SUBAGENT_MODEL": model,
+        # the title request, telemetry, error reports, update checks
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_UPDATES": "1",
+        "DISABLE_AUTO_COMPACT": "1", "CLAUDE_CODE_MAX_RETRIES": "0",
+        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+        "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
+        # a per-request hash at the head of the system prompt
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(rollout.max_output_tokens),
+        # --dangerously-skip-permissions refuses to run as root unless told it is sandboxed
+        "IS_SANDBOX": "1"}
+    argv = [harness.program(rollout), "-p", "--dangerously-skip-permissions", "--",
+            rollout.task]
+    return Launch(argv, env)
+
+
+def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
+    env = {**_common(rollout), "MSWEA_CONFIGURED": "true",
+           "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
+           "MSWEA_SILENT_STARTUP": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    argv = [harness.program(rollout), "-m", "minisweagent.run.mini", "--yolo",
+            "--exit-immediately", "--cost-limit", "0", "--model", f"openai/{rollout.model}",
+            "--output", f"{rollout.home}/trajectory.json", "--task", rollout.task]
+    return Launch(argv, env)
+
+
+def _openai_agents(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # Streamed: a reply cut at max_tokens ends a stream with response.completed at the
+    # proxy, but a Response object's status "incomplete" makes the SDK raise
+    # ModelBehaviorError (the agent exits 1).
+    env = {**_common(rollout), "LACHESIS_TASK": rollout.task,
+           "OPENAI_AGENTS_API": "responses", "OPENAI_AGENTS_DISABLE_TRACING": "1",
+           "AGENT_STREAM": "1"}
+    argv = [harness.program(rollout), f"{rollout.runtime_dir}/openai_agents_agent.py"]
+    return Launch(argv, env)
+
+
+def write_seed(directory: Path, files: dict[str, str], stdin: str | None = None) -> None:
+    """Write a launch's files under ``directory/home`` (what the launcher copies into
+    ``$HOME``) and its standard input to ``directory/stdin``, readable by every uid."""
+    directory.chmod(0o755)
+    home = directory / "home"
+    home.mkdir(mode=0o755, exist_ok=True)
+    for relative, text in files.items():
+        path = Path(relative)
+        if path.is_absolute() or ".." in path.parts:
+            raise HarnessError(f"a harness file must stay in $HOME: {relative!r}")
+        target = home / path
+        for parent in reversed(target.relative_to(home).parents[:-1]):
+            (home / parent).mkdir(mode=0o755, exist_ok=True)
+        target.write_text(text)
+        target.chmod(0o644)
+    if stdin is not None:
+        (directory / "stdin").write_text(stdin)
+        (directory / "stdin").chmod(0o644)
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, indent=2) + "\n"
+
+
+HARNESSES: dict[str, Harness] = {h.name: h for h in [
+    Harness("pi", "npm", "@mariozechner/pi-coding-agent", "0.73.1", "chat",
+            "node_modules/.bin/pi", min_memory_mb=2048, memory_mb=4096, launcher=_pi,
+            notes="auto-compaction (a summarisation request) when its context window is "
+                  "below its reserve: compaction.enabled false; agent-level and SDK "
+                  "retries off; PI_OFFLINE (update check, install telemetry); WebAssembly "
+                  "reserves >16 GiB of address space unless "
+                  "NODE_OPTIONS=--disable-wasm-trap-handler"),
+    Harness("opencode", "npm", "opencode-ai", "1.18.33", "chat",
+            "node_modules/.bin/opencode", min_memory_mb=4096, memory_mb=6144,
+            launcher=_opencode,
+            notes="a title-generation request without tools before the first turn: "
+                  "agent.title.disable; auto-compaction and pruning of old tool output "
+                  "off; npm metadata fetches for its plugin packages fail offline and "
+                  "are ignored"),
+    Harness("codex", "npm", "@openai/codex", "0.171.0", "responses",
+            "node_modules/.bin/codex", min_memory_mb=1024, memory_mb=2048, launcher=_codex,
+            notes="compaction requests (no tools, a CONTEXT CHECKPOINT COMPACTION prompt) "
+                  "once reported usage passes 90 % of its window, in a loop: told of a "
+                  "10^9-token window; web_search tool off; request and stream retries 0; "
+                  "analytics and update check off"),
+    Harness("claude-code", "npm", "@anthropic-ai/claude-code", "2.1.197", "messages",
+            "node_modules/.bin/claude", min_memory_mb=3072, memory_mb=4096,
+            launcher=_claude_code,
+            notes="a HEAD probe of the base URL; a title request (json_schema output, no "
+                  "tools) unless CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC; auto-compaction "
+                  "off; retries 0; no non-streaming fallback"),
+    Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
+            min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
+            notes="litellm retries a 4xx 10 times with backoff: "
+                  "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1; a reply without a tool call is "
+                  "a format error left out of the next request's history (a new segment)"),
+    Harness("openai-agents", "pypi", "openai-agents", "0.24.0", "responses", "bin/python",
+            min_memory_mb=1024, memory_mb=2048, launcher=_openai_agents,
+            notes="Lachesis's openai_agents_agent.py on the SDK, streamed; "
+                  "OPENAI_AGENTS_API=chat_completions (agent_env) switches it to Chat "
+                  "Completions; tracing off"),
+]}
+"""The catalog, by name (the ``agent`` of a black-box env's config)."""
+
+
+# -- the cache ------------------------------------------------------------------------------
+ROOT_CACHE = Path("/var/cache/lachesis/harnesses")
+"""The default cache of root: sandboxes of root run under other uids, and root's home is
+not theirs to enter."""
+
+
+def cache_root() -> Path:
+    """``$LACHESIS_HARNESS_CACHE``, or ``~/.cache/lachesis/harnesses`` (root:
+    :data:`ROOT_CACHE`)."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    if os.geteuid() == 0:
+        return ROOT_CACHE
+    return Path.home() / ".cache" / "lachesis" / "harnesses"
+
+
+def check_reachable(path: Path) -> None:
+    """Raise unless every directory down to ``path`` lets other uids through (x) and
+    ``path`` itself is readable by them: as root, bwrap sandboxes run under their own uids
+    and cannot mount what those cannot reach."""
+    for directory in [path.resolve(), *path.resolve().parents]:
+        if not directory.stat().st_mode & 0o001:
+            raise HarnessError(f"sandboxes cannot reach the harness install {path}: "
+                               f"{directory} is not searchable by others (chmod o+x, or "
+                               f"set {CACHE_ENV} to a directory they can reach)")
+
+
+def install_dir(harness: Harness, root: Path | None = None) -> Path:
+    return (root or cache_root()) / f"{harness.name}-{harness.version}"
+
+
+def installed(harness: Harness, root: Path | None = None) -> Path | None:
+    """The install directory if the install is complete (its marker is there)."""
+    target = install_dir(harness, root)
+    return target if (target / MARKER).is_file() else None
+
+
+def install_commands(harness: Harness, target: Path) -> list[list[str]]:
+    """The commands that install ``harness`` into ``target`` (a new directory)."""
+    if harness.registry == "npm":
+        return [["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund",
+                 "--no-update-notifier", harness.spec]]
+    return [[PYTHON, "-m", "venv", str(target)],
+            [str(target / "bin" / "python"), "-m", "pip", "install", "--no-input",
+             "--disable-pip-version-check", harness.spec, *harness.pip_requirements]]
+
+
+def install_hint(harness: Harness) -> str:
+    return f"lachesis harness install {harness.name}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path, timeout_s: float) -> Iterator[None]:
+    """An exclusive lock on ``path`` (waits up to ``timeout_s``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise HarnessError(f"another process has held {path} for over "
+                                       f"{timeout_s:g} s (an install in progress?)") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _readable_by_all(root: Path) -> None:
+    """Directories a+rx, files a+r (and a+x where the owner may execute): sandboxes run
+    under other uids."""
+    for directory, dirs, files in os.walk(root):
+        os.chmod(directory, os.stat(directory).st_mode | 0o755)
+        for name in files:
+            path = os.path.join(directory, name)
+            if os.path.islink(path):
+                continue
+            mode = os.stat(path).st_mode
+            os.chmod(path, mode | 0o444 | (0o111 if mode & 0o100 else 0))
+
+
+def install(harness: Harness, root: Path | None = None, *, timeout_s: float = 1800,
+            lock_timeout_s: float = 3600, log: Callable[[str], None] | None = None,
+            run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> Path:
+    """The install directory of ``harness`` in the cache, installed first if it is not
+    there. Safe to call from several processes at once. :class:`HarnessError` (with the
+    failing command and its output's tail) when the install fails."""
+    if (done := installed(harness, root)) is not None:
+        return done
+    root = root or cache_root()
+    target = install_dir(harness, root)
+    with _locked(root / f".{target.name}.lock", lock_timeout_s):
+        if (done := installed(harness, root)) is not None:
+            return done  # another process finished it while we waited
+        for leftover in root.glob(f".{target.name}.staging-*"):
+            shutil.rmtree(leftover, ignore_errors=True)  # a crashed install's
+        if target.exists():  # no marker: not ours to trust
+            shutil.rmtree(target)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=root))
+        staging.rmdir()  # the install commands make it
+        try:
+            commands = install_commands(harness, staging)
+            started = time.monotonic()
+            for command in commands:
+                if log:
+                    log(f"installing {harness.spec}: {' '.join(command)}")
+                try:
+                    done_ = run(command, capture_output=True, text=True, timeout=timeout_s)
+                except (OSError, subprocess.TimeoutExpired) as error:
+                    raise HarnessError(f"installing harness {harness.name} ({harness.spec}) "
+                                       f"failed: {' '.join(command)}: {error}") from error
+                if done_.returncode != 0:
+                    tail = (done_.stdout + done_.stderr).strip()[-2000:]
+                    raise HarnessError(
+                        f"installing harness {harness.name} ({harness.spec}) failed: "
+                        f"{' '.join(command)} exited with {done_.returncode}:\n{tail}")
+            entry = staging / harness.entry
+            if not (entry.exists() and os.access(entry, os.X_OK)):
+                raise HarnessError(f"installing harness {harness.name} ({harness.spec}): "
+                                   f"the install has no program {harness.entry}")
+            (staging / MARKER).write_text(json.dumps({
+                "name": harness.name, "spec": harness.spec, "registry": harness.registry,
+                "commands": [[str(a).replace(str(staging), str(target)) for a in c]
+                             for c in commands],
+                "seconds": round(time.monotonic() - started, 1)}, indent=1) + "\n")
+            _readable_by_all(staging)
+            staging.rename(target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def get(name: str) -> Harness:
+    """The catalog entry ``name``; :class:`HarnessError` listing the names otherwise."""
+    try:
+        return HARNESSES[name]
+    except KeyError:
+        raise HarnessError(f"no harness {name!r} in the catalog (known: "
+                           f"{', '.join(HARNESSES)})") from None
