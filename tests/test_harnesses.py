@@ -101,6 +101,9 @@ def test_codex_speaks_responses_and_is_told_of_a_window_it_never_compacts_in():
     assert launch.env["CODEX_HOME"] == f"{SANDBOX_HOME}/.codex"
     assert "--dangerously-bypass-approvals-and-sandbox" in launch.argv
     assert launch.argv[-2:] == ["--", SPEC.task]
+    if launch.argv[0].endswith("/vendor/x86_64-unknown-linux-musl/bin/codex"):  # no Node
+        assert launch.env["CODEX_MANAGED_PACKAGE_ROOT"] == \
+            f"{HARNESS_MOUNT}/node_modules/@openai/codex"
 
 
 def test_claude_code_uses_the_rollout_model_everywhere_and_sends_no_extra_traffic():
@@ -200,7 +203,8 @@ def test_unsafe_subprocess_runs_the_harness_from_host_paths(tmp_path):
     assert mounts == {}
     assert command[:2] == ["python3", str(tmp_path / "runtime" / "launch.py")]
     assert "--listen" not in command
-    assert command[command.index("--") + 1] == str(tmp_path / "install/node_modules/.bin/codex")
+    assert command[command.index("--") + 1] == str(tmp_path / "install" /
+                                                   HARNESSES["codex"].entry)
     assert environment["HOME"] == str(home / "run-home")
     assert environment["CODEX_HOME"] == str(home / "run-home" / ".codex")
     assert "base_url = \"http://127.0.0.1:9/rollout/r2/v1\"" in \

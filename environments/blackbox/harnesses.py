@@ -42,6 +42,7 @@ import contextlib
 import fcntl
 import json
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -204,6 +205,20 @@ def _toml(value: object) -> str:
     return json.dumps(value)  # a JSON string or number is a TOML one
 
 
+_CODEX_TARGETS = {"x86_64": ("x64", "x86_64-unknown-linux-musl"),
+                  "aarch64": ("arm64", "aarch64-unknown-linux-musl")}
+
+
+def _codex_entry(machine: str | None = None) -> str:
+    """Codex's own binary (static, musl) in its platform package: what its Node wrapper
+    execs, so no Node is needed in the sandbox; the wrapper elsewhere."""
+    target = _CODEX_TARGETS.get(machine or platform.machine())
+    if target is None:
+        return "node_modules/.bin/codex"
+    arch, triple = target
+    return f"node_modules/@openai/codex-linux-{arch}/vendor/{triple}/bin/codex"
+
+
 def _codex(harness: Harness, rollout: RolloutSpec) -> Launch:
     # Codex compacts (an extra request, trained as a turn) once the usage the server
     # reports passes 90 % of the window it believes in, whatever
@@ -231,6 +246,9 @@ def _codex(harness: Harness, rollout: RolloutSpec) -> Launch:
         "enabled = false",
         ""])
     env = {**_common(rollout), "CODEX_HOME": f"{rollout.home}/.codex"}
+    if harness.entry != "node_modules/.bin/codex":  # what the wrapper would have set
+        env.update({"CODEX_MANAGED_BY_NPM": "1", "CODEX_MANAGED_PACKAGE_ROOT":
+                    f"{rollout.install_dir}/node_modules/@openai/codex"})
     argv = [harness.program(rollout), "exec", "--skip-git-repo-check",
             "--dangerously-bypass-approvals-and-sandbox", "--ephemeral", "--color", "never",
             "--", rollout.task]
@@ -321,7 +339,7 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "off; npm metadata fetches for its plugin packages fail offline and "
                   "are ignored"),
     Harness("codex", "npm", "@openai/codex", "0.171.0", "responses",
-            "node_modules/.bin/codex", min_memory_mb=1024, memory_mb=2048, launcher=_codex,
+            _codex_entry(), min_memory_mb=1024, memory_mb=2048, launcher=_codex,
             notes="compaction requests (no tools, a CONTEXT CHECKPOINT COMPACTION prompt) "
                   "once reported usage passes 90 % of its window, in a loop: told of a "
                   "10^9-token window; web_search tool off; request and stream retries 0; "
