@@ -402,9 +402,10 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
     def to_trajectory(self, item: Any, rollout: Rollout, scores: Any) -> Any:
         trajectory = super().to_trajectory(item, rollout, scores)
         run = {k: v for k, v in rollout.extra.get("agent", {}).items() if not k.endswith("_tail")}
-        abandoned = rollout.extra.get("abandoned_replies")
-        trajectory.metadata = {**trajectory.metadata, "agent": run,
-                               **({"abandoned_replies": abandoned} if abandoned else {})}
+        kept = {key: rollout.extra[key] for key in ("wire_apis", "abandoned_replies",
+                                                    "unserved_requests", "dropped_tools")
+                if rollout.extra.get(key)}
+        trajectory.metadata = {**trajectory.metadata, "agent": run, **kept}
         return trajectory
 
     def describe_stats(self) -> dict[str, Any]:

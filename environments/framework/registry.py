@@ -28,6 +28,7 @@ from pathlib import Path
 from environments.framework.base import BaseEnv
 
 ENVIRONMENTS = {
+    "answer_file": "environments.envs.answer_file:AnswerFileEnv",
     "arithmetic_tool": "environments.envs.arithmetic_tool:ArithmeticToolEnv",
     "code_debug": "environments.envs.code_debug:CodeDebugEnv",
     "gsm8k_code": "environments.envs.gsm8k_code:GSM8KCodeEnv",
