@@ -94,8 +94,12 @@ async def table(names: list[str], group_size: int, parallel: int, timeout_s: flo
     from environments.inference.vllm_process import VLLMProcess
     from lachesis.tiny_model import make_tiny_model
 
-    for name in names:  # (cached: once per machine)
-        install(HARNESSES[name], log=lambda message: print(message, file=sys.stderr))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(names)) as pool:  # (cached: once per machine; the
+        # downloads overlap: 2.1 GB for all six)
+        list(pool.map(lambda name: install(HARNESSES[name], log=lambda message: print(
+            message, file=sys.stderr)), names))
     model = make_tiny_model(work / "tiny", tied=True, tokenizer="corpus", corpus=[FIXTURES],
                             vocab_size=8192, max_position_embeddings=MAX_MODEL_LEN)
     with VLLMProcess(model, max_model_len=MAX_MODEL_LEN, kv_cache_space_gib=2,

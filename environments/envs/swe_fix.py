@@ -27,7 +27,11 @@ Rewards (one per assistant turn; the last is the outcome):
 * a turn before the last earns ``inspect_reward`` if it looked at code (``read_file``, or
   ``bash`` with ``cat``/``head``/``grep``/``sed -n``/...), ``test_reward`` if it ran tests
   (``bash`` with ``unittest``/``pytest``), ``edit_reward`` if it wrote (``write_file``) a
-  non-test ``.py`` file with code that compiles, the call not answered by an error;
+  non-test ``.py`` file with code that compiles, the call not answered by an error (a
+  catalog harness's tools count alike: ``Bash``/``exec_command`` as ``bash``,
+  ``read``/``Read`` as ``read_file``, ``write``/``Write`` as ``write_file``, and an
+  ``edit``/``Edit`` of a non-test source file as an edit; ``agent: pi``,
+  configs/examples/swe-fix-pi.yaml);
 * the last turn: 1.0 if every FAIL_TO_PASS and every PASS_TO_PASS test passes, else 0.0.
 
 Grading never trusts the agent's sandbox. ``finish_sandbox`` tars ``/workspace`` (without
@@ -142,6 +146,13 @@ INSTRUCTIONS = (
 
 _INSPECT = re.compile(r"\b(cat|head|tail|less|more|nl|grep|rg|find|ls|sed\s+-n)\b")
 _RUN_TESTS = re.compile(r"\b(unittest|pytest)\b|\bpython3?\s+\S*test\S*\.py\b")
+# The tools of the reference agent and of the catalog harnesses (docs/harnesses.md), for
+# the turn rewards: a shell command (``command``, Codex's ``cmd``), a file read, a whole
+# file written (``content``), an edit (old/new strings) of a file.
+SHELL_TOOLS = {"bash", "Bash", "exec_command", "shell"}
+READ_TOOLS = {"read_file", "read", "Read"}
+WRITE_TOOLS = {"write_file", "write", "Write"}
+EDIT_TOOLS = {"edit", "Edit", "MultiEdit"}
 
 
 # -- paths ---------------------------------------------------------------------------------
@@ -546,23 +557,31 @@ class SweFixEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
 
     # -- rewards -------------------------------------------------------------------------
     def _turn_actions(self, item: dict[str, Any], turn) -> tuple[bool, bool, bool]:
+        """Whether the turn inspected code, ran tests, wrote a non-test source file: by the
+        reference agent's tools or a catalog harness's (``SHELL_TOOLS``, ``READ_TOOLS``,
+        ``WRITE_TOOLS``, ``EDIT_TOOLS``)."""
         inspected = tested = edited = False
         test_files = set(item["test_files"])
         for call, content in zip(turn.tool_calls, turn.tool_results):
             if str(content).lstrip().lower().startswith("error"):
                 continue
             args = call.arguments if isinstance(call.arguments, dict) else {}
-            command = str(args.get("command", "")) if call.name == "bash" else ""
-            if call.name == "read_file" or _INSPECT.search(command):
+            command = args.get("command", args.get("cmd", "")) if call.name in SHELL_TOOLS \
+                else ""
+            command = " ".join(map(str, command)) if isinstance(command, list) else str(command)
+            path = next((args[k] for k in ("path", "file_path", "filePath") if k in args), None)
+            if call.name in READ_TOOLS or _INSPECT.search(command):
                 inspected = True
             if _RUN_TESTS.search(command):
                 tested = True
-            if call.name == "write_file" and is_source_path(args.get("path"), test_files):
+            if call.name in WRITE_TOOLS and is_source_path(path, test_files):
                 try:
                     compile(str(args.get("content", "")), "<write_file>", "exec")
                     edited = True
                 except (SyntaxError, ValueError):
                     pass
+            elif call.name in EDIT_TOOLS and is_source_path(path, test_files):
+                edited = True  # (an edit's result is checked by the grading, not here)
         return inspected, tested, edited
 
     def turn_score(self, item: dict[str, Any], turn) -> float:

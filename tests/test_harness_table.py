@@ -1,0 +1,43 @@
+"""Each catalog harness as shipped (the pinned versions, installed by this test's set-up
+into the harness cache from npm and PyPI), run end to end on the real proxy and vLLM CPU
+by benchmarks/harness_table.py: the harness reaches its own end, every model call it
+made is a recorded turn, its shell-tool call ran in the bwrap sandbox (answer.txt graded
+host-side), one segment per rollout, and the trainer's alignment check passes on the
+groups and a training step runs on them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from environments.blackbox.harnesses import HARNESSES
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap is Linux-only")]
+
+
+def test_every_catalog_harness_runs_as_shipped_through_the_proxy_and_trains(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "benchmarks/harness_table.py", "--group-size", "1", "--parallel",
+         "2", "--timeout-s", "240", "--work", str(tmp_path / "work"), "--json",
+         str(tmp_path / "table.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert (tmp_path / "table.json").exists(), done.stderr[-3000:]
+    summary = json.loads((tmp_path / "table.json").read_text())
+    rows = {row["harness"]: row for row in summary["rows"]}
+    assert set(rows) == set(HARNESSES), done.stdout
+    for name, row in rows.items():
+        harness = HARNESSES[name]
+        assert row["exit"] == 0 and row["rollouts"] == 1, (name, row["stderr_tail"])
+        assert row["reached_end"] == [True], (name, row)  # the harness exited 0 itself
+        assert row["wire_apis"] == [harness.wire_api], (name, row)
+        assert row["turns"] == [2] and row["tool_results"][0] >= 1, (name, row)
+        assert row["segments"] == [1], (name, row)  # each call extended the last
+        assert row["solved"] == [True], (name, row)  # its call ran in the sandbox
+    assert summary["check_exit"] == 0, summary["check"]
+    assert summary["step_exit"] == 0, summary["step"]
+    assert done.returncode == 0, done.stdout
