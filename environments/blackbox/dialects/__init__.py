@@ -24,6 +24,8 @@ from environments.blackbox.recorder import (
     Message,
     RequestError,
     TurnReply,
+    check_text,
+    type_name,
 )
 
 
@@ -84,6 +86,14 @@ def validate_json(model: type[BaseModel], raw: bytes) -> Any:
         raise RequestError(f"{where}: {first['msg']}", "invalid_request", where) from None
 
 
+def note_dropped_tools(rollout: InterceptedRollout, names: list[str]) -> None:
+    """Tools the request declared that the proxy left out (not functions it can serve),
+    kept in the rollout's ``extra["dropped_tools"]``."""
+    if names:
+        extra = rollout.state.extra
+        extra["dropped_tools"] = sorted(set(extra.get("dropped_tools", [])) | set(names))
+
+
 def sse(data: dict[str, Any], event: str | None = None) -> bytes:
     """One server-sent event."""
     head = f"event: {event}\n" if event else ""
@@ -92,8 +102,6 @@ def sse(data: dict[str, Any], event: str | None = None) -> bytes:
 
 def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
     """A function tool in the OpenAI chat form, its parts checked (errors name ``where``)."""
-    from environments.blackbox.recorder import check_text, type_name
-
     check_text(name, f"{where}.name")
     if description is not None:
         check_text(description, f"{where}.description")

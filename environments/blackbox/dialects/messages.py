@@ -39,7 +39,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments.blackbox.dialects import Dialect, TurnRequest, function_tool, sse, validate_json
+from environments.blackbox.dialects import (
+    Dialect,
+    TurnRequest,
+    function_tool,
+    note_dropped_tools,
+    sse,
+    validate_json,
+)
 from environments.blackbox.recorder import (
     InterceptedRollout,
     Message,
@@ -156,9 +163,7 @@ def _parse(body: MessagesRequest, rollout: InterceptedRollout
                                        tool.get("input_schema"), where))
         else:
             dropped.append(str(tool.get("name") or tool.get("type")))
-    if dropped:
-        rollout.state.extra["dropped_tools"] = sorted(
-            set(rollout.state.extra.get("dropped_tools", [])) | set(dropped))
+    note_dropped_tools(rollout, dropped)
     return messages, tools or None
 
 

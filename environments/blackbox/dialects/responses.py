@@ -40,7 +40,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments.blackbox.dialects import Dialect, TurnRequest, function_tool, sse, validate_json
+from environments.blackbox.dialects import (
+    Dialect,
+    TurnRequest,
+    function_tool,
+    note_dropped_tools,
+    sse,
+    validate_json,
+)
 from environments.blackbox.recorder import (
     InterceptedRollout,
     Message,
@@ -189,9 +196,7 @@ class ResponsesDialect(Dialect):
         if not messages:
             raise RequestError("input: no messages", param="input")
         tools, dropped = function_tools(body.tools)
-        if dropped:
-            rollout.state.extra["dropped_tools"] = sorted(
-                set(rollout.state.extra.get("dropped_tools", [])) | set(dropped))
+        note_dropped_tools(rollout, dropped)
         return TurnRequest(messages, tools, body.max_output_tokens, body.stream, body)
 
     def reply(self, request: TurnRequest, turn: TurnReply, model: str,
