@@ -130,8 +130,12 @@ def test_the_python_harnesses_run_their_own_python_without_our_packages():
         "/usr/bin/python3", "-m", "venv"]
 
 
-def test_a_harness_raises_the_sandbox_memory_default_and_refuses_less_than_it_needs():
+def test_a_harness_raises_the_memory_and_context_defaults_and_refuses_less_memory():
     assert BlackBoxEnvConfig().sandbox_memory_mb == 2048
+    # and the context: harnesses' first prompts run to ~20k tokens with a real tokenizer
+    assert BlackBoxEnvConfig().max_token_length == 4096
+    assert BlackBoxEnvConfig(agent="claude-code").max_token_length == 32768
+    assert BlackBoxEnvConfig(agent="pi", max_token_length=8000).max_token_length == 8000
     assert BlackBoxEnvConfig(agent="opencode").sandbox_memory_mb == HARNESSES["opencode"].memory_mb
     assert BlackBoxEnvConfig(agent="codex", sandbox_memory_mb=1500).sandbox_memory_mb == 1500
     with pytest.raises(ValueError, match="agent: claude-code needs sandbox_memory_mb of 3072"):

@@ -82,6 +82,8 @@ AGENT_PORT = 8765
 """The loopback port of the model endpoint inside sandboxes."""
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 """What a harness is told to ask for per reply when ``max_tokens_per_turn`` is not set."""
+HARNESS_MAX_TOKEN_LENGTH = 32768
+"""``max_token_length``'s default with a catalog ``agent``."""
 TAIL_CHARS = 500
 """How much of the agent's stdout and stderr an :class:`AgentError` quotes."""
 
@@ -148,7 +150,10 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     max_token_length: int = Field(default=4096, ge=8)
     """Tokens per trajectory segment at most (prompt included). It must fit the vLLM
     servers' ``max_model_len`` (checked at start); a request whose context reaches it is
-    refused (400 ``context_length_exceeded``) and the rollout ends truncated, scored."""
+    refused (400 ``context_length_exceeded``) and the rollout ends truncated, scored. With a
+    catalog ``agent`` the default is :data:`HARNESS_MAX_TOKEN_LENGTH` (32768): harnesses'
+    first requests are long (Claude Code's system prompt and tools are ~83 KB of text,
+    about 20k tokens with a Qwen tokenizer; docs/harnesses.md)."""
     sandbox_cpu_time_s: int = Field(default=600, ge=1)
     """CPU seconds per process (the agent is one long-lived process)."""
     sandbox_memory_mb: int = Field(default=2048, ge=16)
@@ -178,6 +183,8 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
         if self.agent == "command":
             return self
         harness = HARNESSES[self.agent]
+        if "max_token_length" not in self.model_fields_set:
+            self.max_token_length = max(self.max_token_length, HARNESS_MAX_TOKEN_LENGTH)
         if "sandbox_memory_mb" not in self.model_fields_set:
             self.sandbox_memory_mb = max(self.sandbox_memory_mb, harness.memory_mb)
         elif self.sandbox_memory_mb < harness.min_memory_mb:
