@@ -372,8 +372,12 @@ class GymConfig(EnvConfig):
 class GymEpisode:
     """One env instance, its RNG state, and turning observations and actions into text."""
 
-    def __init__(self, env: Any, config: GymConfig, seed: int):
+    def __init__(self, env: Any, config: GymConfig, seed: int,
+                 formatter: Callable[[GymEpisode, str], str] | None = None):
         self.env, self.config, self.seed = env, config, seed
+        self.formatter = formatter
+        """``formatter(episode, text)``: the message of an observation whose text is
+        ``text`` (``episode.info`` holds its info); None: :meth:`format`."""
         self.random = EpisodeRandom(seed)
         self.discrete = discrete_range(env)
         kind = config.action_type
@@ -429,6 +433,10 @@ class GymEpisode:
                 text = _ANSI.sub("", str(self.env.render()))  # Taxi colours its map
         else:
             text = json.dumps(_jsonable(observation), ensure_ascii=False, default=str)
+        return (self.formatter or GymEpisode.format)(self, text)
+
+    def format(self, text: str) -> str:
+        """The observation's text, the ``info_text_keys`` entries, the admissible actions."""
         parts = [text.rstrip()]
         for key in self.config.info_text_keys:
             if isinstance(self.info.get(key), str) and self.info[key].strip():
@@ -643,7 +651,8 @@ async def run_gym_episode(backend: TurnBackend, renderer: ChatRenderer, episode:
 
 class GymEnv(TurnLevelRewardMixin, BaseEnv):
     """A Gymnasium-style env's episodes, one env step per assistant turn. Subclasses may
-    override :meth:`make_env` (an env for an item) and :meth:`first_messages`."""
+    override :meth:`make_env` (an env for an item), :meth:`make_episode` (also how its
+    observations read) and :meth:`first_messages`."""
 
     name = "gym"
     config_class = GymConfig
@@ -651,6 +660,10 @@ class GymEnv(TurnLevelRewardMixin, BaseEnv):
     def __init__(self, config: GymConfig | None = None):
         super().__init__(config)
         self._factory: Callable[..., Any] | None = None
+
+    def make_episode(self, item: dict[str, Any]) -> GymEpisode:
+        """A new episode of ``item``: its env, seed and observation format."""
+        return GymEpisode(self.make_env(item), self.config, item["seed"])
 
     def make_env(self, item: dict[str, Any]) -> Any:
         """A new env instance for ``item`` (default: the spec's, with ``make_kwargs``)."""
@@ -677,7 +690,7 @@ class GymEnv(TurnLevelRewardMixin, BaseEnv):
         guard = network_blocked() if self.config.offline_check else contextlib.nullcontext([])
         with guard as attempts:
             try:
-                episode = GymEpisode(self.make_env(item), self.config, item["seed"])
+                episode = self.make_episode(item)
                 try:
                     episode.reset()
                 finally:
@@ -711,7 +724,7 @@ class GymEnv(TurnLevelRewardMixin, BaseEnv):
 
     async def collect_trajectory(self, item: dict[str, Any], *,
                                  evaluation: bool = False) -> Rollout:
-        episode = GymEpisode(self.make_env(item), self.config, item["seed"])
+        episode = self.make_episode(item)
         try:
             messages = self.first_messages(item, episode.reset())
             rollout = await run_gym_episode(
