@@ -95,18 +95,24 @@ def observations(trajectory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cooking_game(tmp_path_factory):
-    """A cooking game made by TextWorld's own generator (recipe 1, one room), and its
-    walkthrough."""
-    from textworld.challenges.tw_cooking import cooking
+def cooking_env_config(tmp_path_factory):
+    """``textworld_cooking``'s settings with small pools (one training game, one held-out),
+    in a cache of the module's."""
+    return dict(horizon="short", train_games=1, eval_items=1, generation_workers=1,
+                cache_dir=tmp_path_factory.mktemp("tw-cache"), group_size=1,
+                keep_equal_score_groups=True, max_token_length=30000)
 
-    options = textworld.GameOptions()
-    options.seeds = 1
-    options.path = str(tmp_path_factory.mktemp("tw") / "cooking.z8")
-    game = cooking.make({"recipe": 1, "take": 1, "go": 1, "open": False, "cook": False,
-                         "cut": False, "drop": False, "recipe_seed": 1, "split": "train"},
-                        options)
-    return textworld.generator.compile_game(game, options), list(game.walkthrough)
+
+@pytest.fixture(scope="module")
+def cooking_game(cooking_env_config):
+    """A cooking game made by TextWorld's own generator (recipe 1, one room: through
+    ``textworld_cooking``'s set-up, ``cooking.make`` and ``compile_game``), and its
+    walkthrough."""
+    from environments.envs.textworld_cooking import TextWorldCookingConfig, prepare_games
+
+    directory, manifest = prepare_games(TextWorldCookingConfig(**cooking_env_config))
+    entry = manifest["games"][str(manifest["pools"]["eval"][0])]
+    return str(directory / entry["file"]), entry["walkthrough"]
 
 
 # -- GEM ----------------------------------------------------------------------------------
@@ -361,3 +367,79 @@ def test_gym_envs_through_vllm_keep_the_exact_sampled_tokens(vllm_server, cookin
     check = train_check(vllm_server.model_dir, tw_out, tmp_path / "check", batch_size=3)
     assert check.returncode == 0, check.stderr[-2000:]
     assert json.loads(check.stdout)["alignment_mean_abs_diff"] < 1e-3
+
+
+# -- textworld_cooking -------------------------------------------------------------------
+
+def cooking_env(renderer, script, **settings):
+    from environments.envs.textworld_cooking import TextWorldCookingConfig, TextWorldCookingEnv
+
+    env = TextWorldCookingEnv(TextWorldCookingConfig(**settings))
+    asyncio.run(env.setup())
+    env.renderer = renderer
+    env.backend = env.eval_backend = Scripted(renderer, script)
+    return env
+
+
+def test_cooking_games_are_generated_once_into_a_manifest_and_made_again_identically(
+        cooking_env_config):
+    from environments.envs.textworld_cooking import TextWorldCookingConfig, prepare_games
+
+    config = TextWorldCookingConfig(**cooking_env_config)
+    directory, manifest = prepare_games(config)
+    assert manifest["pools"] == {"train": [0], "eval": [1_000_000]}
+    entries = [manifest["games"][str(s)] for s in (0, 1_000_000)]
+    for entry in entries:
+        assert entry["settings"] == {**config.game_settings(), "recipe_seed": entry["seed"]}
+        assert len(entry["sha256"]) == 64 and len(entry["walkthrough"]) == 5
+        assert entry["generation_seconds"] > 0 and entry["max_score"] == 3
+    assert len({e["sha256"] for e in entries}) == 2  # two different games
+    # a second start finds them all: nothing is generated again
+    game = directory / entries[1]["file"]
+    stamp = game.stat().st_mtime_ns
+    assert prepare_games(config)[1]["games"] == manifest["games"]
+    assert game.stat().st_mtime_ns == stamp
+    # a game that no longer matches its hash is made again, byte for byte the same
+    game.write_bytes(b"not a game")
+    again = prepare_games(config)[1]["games"][str(entries[1]["seed"])]
+    assert again["sha256"] == entries[1]["sha256"] and game.stat().st_mtime_ns != stamp
+
+
+def test_cooking_scores_increments_and_the_outcome_is_won_within_the_step_budget(
+        renderer, cooking_env_config):
+    plans = {}
+
+    def play(state, k):
+        return plans[state.messages[1]["content"]](k)
+
+    env = cooking_env(renderer, play, **cooking_env_config)
+    for item in env.eval_pool:
+        first = env.first_messages(item, env.make_episode(item).reset())[1]["content"]
+        plans[first] = lambda k, item=item: item["walkthrough"][k]
+    item = env.eval_pool[0]
+    [t] = group(env, item).trajectories
+    # the walkthrough: score 1 of 3 for each of the last three commands, won
+    assert actions(t) == item["walkthrough"]
+    assert t.scores == pytest.approx([0.0, 0.0, 1 / 3, 1 / 3, 1.0])
+    assert t.metadata["metrics"]["won"] == 1.0 and t.metadata["stop"] == "done"
+    first = observations(t)[0]
+    assert first.startswith(item["objective"]) and "\nRecipe:\nIngredients: " in first
+    assert "\nInventory: You are carrying nothing.\nCommands: " in first
+    shown = first.rsplit("Commands: ", 1)[1].split("; ")
+    assert shown and not any(c.split()[0] in ("examine", "look", "inventory") for c in shown)
+    # a policy that only looks around: its budget (twice the walkthrough) ends it, lost
+    plans[env.first_messages(item, env.make_episode(item).reset())[1]["content"]] = \
+        lambda k: "look"
+    [t] = group(env, item).trajectories
+    assert len(t.scores) == item["budget"] == 10 and set(t.scores) == {0.0}
+    assert t.metadata["metrics"]["env_truncated"] == 1.0 and not t.flags.truncated
+
+
+def test_cooking_settings_that_cannot_work_are_refused(cooking_env_config):
+    from environments.envs.textworld_cooking import TextWorldCookingConfig
+
+    with pytest.raises(ValueError, match="overlap the eval seeds"):
+        TextWorldCookingConfig(train_games=10, train_seed_base=0, eval_seed_base=5)
+    with pytest.raises(ValueError, match=r"unknown \['rooms'\]"):
+        TextWorldCookingConfig(generator_settings={"rooms": 3})
+    assert load_env_class("textworld_cooking").config_class().eval_items == 256

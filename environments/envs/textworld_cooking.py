@@ -12,8 +12,10 @@ Gymnasium-style adapter (:mod:`environments.adapters.gym_env`, its ``TextWorldGa
   ``manifest.json`` that records every game's pool, seed, settings, SHA-256 (of the
   ``.z8`` and ``.json`` files, checked at every start), walkthrough and generation time,
   and the seeds of the last configuration's two pools.
-  The training pool is seeds ``train_seed_base + i`` (``i < train_games``), the held-out
-  pool ``eval_seed_base + i`` (``i < eval_items``): disjoint by construction. Games
+  Generation runs with a fixed ``PYTHONHASHSEED`` (:data:`GENERATOR_HASH_SEED`), so a
+  seed's files are byte-identical on every run. The training pool is the first ``train_games`` seeds from ``train_seed_base``, the
+  held-out pool the first ``eval_items`` from ``eval_seed_base`` (seeds the generator
+  fails on are recorded and skipped): disjoint ranges, checked. Games
   missing from the cache are generated at start, by ``generation_workers`` processes;
   several env processes starting at once share the work through a lock on the directory.
 * **Horizon.** ``short``: recipe 1, one room, no preparation (walkthrough 5 commands,
@@ -65,6 +67,14 @@ HORIZONS: dict[str, dict[str, Any]] = {
 
 SYSTEM_PROMPT = ("You play a text game: cook the recipe's meal, then eat it. Each turn, "
                  "reply with one command, e.g. one of the admissible commands.")
+
+
+GENERATOR_HASH_SEED = "0"
+"""``PYTHONHASHSEED`` of the generator's processes: TextWorld's generator iterates over sets
+of strings (the names a game's grammar excludes, the rules its Inform 7 source lists), so
+with Python's per-process hash randomization one seed gives the same game written in
+another order, and another SHA-256. With a fixed hash seed a seed's files are byte for byte
+the same on every run."""
 
 
 def default_cache_dir() -> Path:
@@ -161,7 +171,7 @@ def generate_game(seed: int, settings: dict[str, Any], directory: str) -> dict[s
         policy_commands=True, objective=True, extras=["recipe"]))
     state = env.reset()
     env.close()
-    return {"seed": seed, "file": path.name, "sha256": file_sha256(path, path.with_suffix(".json")),
+    return {"seed": seed, "settings": {**settings, "recipe_seed": seed}, "file": path.name, "sha256": file_sha256(path, path.with_suffix(".json")),
             "walkthrough": list(game.walkthrough), "policy_steps": len(state["policy_commands"]),
             "max_score": game.max_score, "objective": state["objective"],
             "recipe": compact_recipe(state.get("extra.recipe") or ""),
@@ -179,8 +189,9 @@ def generate_games(seeds: list[int], settings: dict[str, Any], directory: Path,
         [sys.executable, "-m", "environments.envs.textworld_cooking",
          json.dumps({"seeds": share, "settings": settings, "directory": str(directory)})],
         stdout=subprocess.PIPE, stderr=error, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-            str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))})
+        env={**os.environ, "PYTHONHASHSEED": GENERATOR_HASH_SEED,
+             "PYTHONPATH": os.pathsep.join(filter(None, [
+                 str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))})
         for share, error in zip(shares, errors)]
     try:
         with selectors.DefaultSelector() as selector:
@@ -210,7 +221,11 @@ def generate_games(seeds: list[int], settings: dict[str, Any], directory: Path,
 
 def _worker(job: dict[str, Any]) -> None:
     for seed in job["seeds"]:
-        print(json.dumps(generate_game(seed, job["settings"], job["directory"])), flush=True)
+        try:
+            entry = generate_game(seed, job["settings"], job["directory"])
+        except Exception as error:  # noqa: BLE001 - TextWorld's generator, for this seed
+            entry = {"seed": seed, "failed": f"{type(error).__name__}: {error}"}
+        print(json.dumps(entry), flush=True)
 
 
 
@@ -227,44 +242,73 @@ def _locked(directory: Path):
 
 def prepare_games(config: TextWorldCookingConfig) -> tuple[Path, dict[str, Any]]:
     """The games both pools need, in the cache (generated when missing or changed): the
-    game directory and its manifest."""
+    game directory and its manifest (``pools``: each pool's seeds, in order).
+
+    A pool is the first ``train_games`` (``eval_items``) seeds from its base for which the
+    generator makes a game: for a few settings and seeds TextWorld's generator raises
+    (e.g. an ingredient left with no preparation once ``cut`` removes the uncut ones);
+    such a seed is recorded as failed and skipped."""
     import textworld
 
     settings = config.game_settings()
     key_source = json.dumps({"settings": settings, "textworld": textworld.__version__},
                             sort_keys=True)
-    directory = config.cache_dir / f"{config.horizon}-{hashlib.sha256(key_source.encode()).hexdigest()[:12]}"
-    wanted = {**{config.train_seed_base + i: "train" for i in range(config.train_games)},
-              **{config.eval_seed_base + i: "eval" for i in range(config.eval_items)}}
+    key = hashlib.sha256(key_source.encode()).hexdigest()[:12]
+    directory = config.cache_dir / f"{config.horizon}-{key}"
     with _locked(directory):
         manifest_path = directory / "manifest.json"
         manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
-            "textworld": textworld.__version__, "settings": settings, "games": {}}
-        games = manifest["games"]
+            "textworld": textworld.__version__, "settings": settings, "games": {},
+            "failed": {}}
+        games, failed = manifest["games"], manifest.setdefault("failed", {})
         for seed_key, entry in list(games.items()):  # a file changed or lost: made again
             path = directory / entry["file"]
-            if int(seed_key) in wanted and (not path.exists() or not path.with_suffix(
-                    ".json").exists() or file_sha256(path, path.with_suffix(".json"))
-                    != entry["sha256"]):
+            if not path.exists() or not path.with_suffix(".json").exists() or \
+                    file_sha256(path, path.with_suffix(".json")) != entry["sha256"]:
                 log.warning("textworld_cooking: game %s differs from its manifest entry; "
-                            "making it again", path)
+                            "it is made again when needed", path)
                 del games[seed_key]
-        missing = [seed for seed in wanted if str(seed) not in games]
-        if missing:
+        pools = {"train": (config.train_seed_base, config.train_games),
+                 "eval": (config.eval_seed_base, config.eval_items)}
+        began = time.monotonic()
+        while True:
+            chosen = {name: pool_seeds(base, n, failed) for name, (base, n) in pools.items()}
+            missing = [seed for seeds in chosen.values() for seed in seeds
+                       if str(seed) not in games]
+            if not missing:
+                break
             log.info("textworld_cooking: generating %d games into %s (%d workers)",
                      len(missing), directory, config.generation_workers)
-            began = time.monotonic()
             for done, entry in enumerate(generate_games(missing, settings, directory,
                                                         config.generation_workers), 1):
-                games[str(entry["seed"])] = entry
+                if "failed" in entry:
+                    failed[str(entry["seed"])] = entry["failed"]
+                else:
+                    games[str(entry["seed"])] = entry
                 if done % 16 == 0 or done == len(missing):
                     _write_json(manifest_path, manifest)
                     log.info("textworld_cooking: %d/%d games (%.0f s)", done, len(missing),
                              time.monotonic() - began)
-        manifest["pools"] = {name: [seed for seed, pool in wanted.items() if pool == name]
-                             for name in ("train", "eval")}  # (this config's)
+        train, held_out = chosen["train"], chosen["eval"]
+        if set(train) & set(held_out) or (min(train) < min(held_out) <= max(train)) or \
+                (min(held_out) < min(train) <= max(held_out)):
+            raise ValueError(f"textworld_cooking: with the seeds the generator skipped, the "
+                             f"training seeds {min(train)}-{max(train)} reach the eval seeds "
+                             f"{min(held_out)}-{max(held_out)}: move train_seed_base or "
+                             "eval_seed_base apart")
+        manifest["pools"] = chosen  # (this configuration's)
         _write_json(manifest_path, manifest)
     return directory, manifest
+
+
+def pool_seeds(base: int, n: int, failed: dict[str, str]) -> list[int]:
+    """The first ``n`` seeds from ``base`` that are not known to fail."""
+    seeds, seed = [], base
+    while len(seeds) < n:
+        if str(seed) not in failed:
+            seeds.append(seed)
+        seed += 1
+    return seeds
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -298,10 +342,9 @@ class TextWorldCookingEnv(GymEnv):
         config = self.config
         self.game_dir, self.manifest = await asyncio.to_thread(prepare_games, config)
         games = self.manifest["games"]
-        self.train_pool = [self._item(games[str(config.train_seed_base + i)])
-                           for i in range(config.train_games)]
-        self.eval_pool = [self._item(games[str(config.eval_seed_base + i)])
-                          for i in range(config.eval_items)]
+        pools = self.manifest["pools"]
+        self.train_pool = [self._item(games[str(seed)]) for seed in pools["train"]]
+        self.eval_pool = [self._item(games[str(seed)]) for seed in pools["eval"]]
         await super().setup()  # one game made and reset, the network blocked
 
     async def get_next_item(self) -> dict[str, Any]:
