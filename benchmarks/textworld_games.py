@@ -7,8 +7,9 @@ into ``--cache`` with the env's own set-up (TextWorld's generator, ``--workers``
 processes), then plays each game's walkthrough through the env's episode loop (a scripted
 policy, no model) and prints, as JSON: generation seconds per game (TextWorld's make and
 compile, from the manifest) and the set-up's wall time, walkthrough and planner steps, the
-step budget, seconds per env step, and the size of each observation message (characters,
-words, and tokens of the tiny model's byte tokenizer).
+step budget, seconds per env step, the size of each observation message (characters,
+words, and tokens of the tiny model's byte tokenizer), and the share of the games the
+epsilon-noisy planner demonstrator wins at each ``--epsilons``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def spread(values):
     return {"mean": round(statistics.mean(values), 2), "min": min(values), "max": max(values)}
 
 
-async def measure(horizon: str, games: int, cache: Path, workers: int) -> dict:
+async def measure(horizon: str, games: int, cache: Path, workers: int,
+                  epsilons: list[float]) -> dict:
     from lachesis.tiny_model import build_tokenizer
 
     config = TextWorldCookingConfig(horizon=horizon, train_games=1, eval_items=games,
@@ -77,6 +79,12 @@ async def measure(horizon: str, games: int, cache: Path, workers: int) -> dict:
                 chars.append(len(message.content))
                 words.append(len(message.content.split()))
                 tokens.append(len(renderer.encode(message.content)))
+    demonstrator = {}
+    for epsilon in epsilons:
+        began = time.monotonic()
+        demonstrator[str(epsilon)] = {
+            "won": env.demonstrator_success(epsilon, env.eval_pool),
+            "seconds_per_game": round((time.monotonic() - began) / len(env.eval_pool), 3)}
     return {"horizon": horizon, "settings": config.game_settings(), "games": len(entries),
             "failed_seeds": len(env.manifest.get("failed", {})),
             "setup_wall_seconds": round(setup_seconds, 1),
@@ -88,7 +96,8 @@ async def measure(horizon: str, games: int, cache: Path, workers: int) -> dict:
             "walkthrough_won": sum(won) / len(won),
             "seconds_per_step": round(statistics.mean(step_seconds), 4),
             "observation_chars": spread(chars), "observation_words": spread(words),
-            "observation_byte_tokens": spread(tokens)}
+            "observation_byte_tokens": spread(tokens),
+            "demonstrator_won_by_epsilon": demonstrator}
 
 
 def main() -> None:
@@ -97,10 +106,13 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--horizons", nargs="+", default=["short", "long"])
+    parser.add_argument("--epsilons", nargs="*", type=float,
+                        default=[0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
+                        help="the noisy planner's epsilons to measure its success at")
     args = parser.parse_args()
     for horizon in args.horizons:
-        print(json.dumps(asyncio.run(measure(horizon, args.games, args.cache, args.workers))),
-              flush=True)
+        print(json.dumps(asyncio.run(measure(horizon, args.games, args.cache, args.workers,
+                                             args.epsilons))), flush=True)
 
 
 if __name__ == "__main__":

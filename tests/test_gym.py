@@ -443,3 +443,28 @@ def test_cooking_settings_that_cannot_work_are_refused(cooking_env_config):
     with pytest.raises(ValueError, match=r"unknown \['rooms'\]"):
         TextWorldCookingConfig(generator_settings={"rooms": 3})
     assert load_env_class("textworld_cooking").config_class().eval_items == 256
+
+
+def test_the_noisy_planner_demonstrates_in_the_envs_format_and_calibrates_epsilon(
+        renderer, cooking_env_config):
+    env = cooking_env(renderer, lambda state, k: "look", **cooking_env_config)
+    item = env.eval_pool[0]
+    # epsilon 0: the planner's commands from the start win, in the env's own messages
+    messages, won = env.demonstrate(item, 0.0, random.Random(0))
+    [t] = group(env, item).trajectories
+    assert won and messages[:2] == [m.model_dump(exclude_none=True) for m in t.messages[:2]]
+    commands = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert len(commands) == 3 and commands[-2:] == ["prepare meal", "eat meal"]
+    # epsilon 1: random shown commands until the budget or a fatal move ends the game
+    messages, won = env.demonstrate(item, 1.0, random.Random(0))
+    assert not won and 1 <= len([m for m in messages if m["role"] == "assistant"]) <= 10
+    # a band the planner reaches: epsilon 0; one held-out game cannot land in (0.4, 0.6)
+    assert env.calibrate(0.9, 1.0) == 0.0
+    env.calibration.clear()
+    with pytest.raises(ValueError, match=r"no epsilon found in 12 bisection steps on 1 "
+                                         r"held-out games \(epsilon: success 0.0000: 1.000"):
+        env.calibrate(0.4, 0.6)
+    # each draw of an item is a new demonstration
+    env.epsilon = 0.5
+    draws = [env.oracle_messages(item) for _ in range(4)]
+    assert len({json.dumps(d) for d in draws}) > 1
