@@ -205,13 +205,13 @@ def generate_games(seeds: list[int], settings: dict[str, Any], directory: Path,
     subprocesses: multiprocessing's spawn would run the parent's main script again."""
     shares = [seeds[k::workers] for k in range(min(workers, len(seeds)))]
     errors = [tempfile.TemporaryFile("w+") for _ in shares]
+    root = str(Path(__file__).resolve().parents[2])  # this checkout, first on the path
     processes = [subprocess.Popen(
         [sys.executable, "-m", "environments.envs.textworld_cooking",
          json.dumps({"seeds": share, "settings": settings, "directory": str(directory)})],
-        stdout=subprocess.PIPE, stderr=error, text=True,
-        env={**os.environ, "PYTHONHASHSEED": GENERATOR_HASH_SEED,
-             "PYTHONPATH": os.pathsep.join(filter(None, [
-                 str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))})
+        stdout=subprocess.PIPE, stderr=error, text=True, cwd=root,
+        env={**os.environ, "PYTHONHASHSEED": GENERATOR_HASH_SEED, "PYTHONPATH":
+             os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))})
         for share, error in zip(shares, errors)]
     try:
         with selectors.DefaultSelector() as selector:
