@@ -89,16 +89,21 @@ class TextWorldCookingConfig(GymConfig):
     max_turns: int = Field(default=64, ge=1)
     """A cap on turns besides each game's step budget (which normally ends it first)."""
     max_token_length: int = Field(default=4096, ge=8)
+    """Tokens per context at most (an observation is ~500 tokens of the tiny model's byte
+    tokenizer, ~90 words)."""
     eval_items: int = Field(default=256, ge=1)
     """Held-out games (the eval pool), also what ``evaluate`` plays."""
     horizon: Literal["short", "long"] = "short"
+    """``short``: walkthroughs of 5 commands; ``long``: 9-12 (:data:`HORIZONS`)."""
     generator_settings: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the horizon's settings (``recipe``, ``take``, ``go``, ``open``,
     ``cook``, ``cut``, ``drop``, ``split``)."""
     train_games: int = Field(default=256, ge=1)
     """Games in the training pool."""
     train_seed_base: int = Field(default=0, ge=0)
+    """The training pool's first seed."""
     eval_seed_base: int = Field(default=1_000_000, ge=1)
+    """The held-out pool's first seed."""
     cache_dir: Path = Field(default_factory=default_cache_dir)
     """Where the games and their manifest are kept (``$LACHESIS_TEXTWORLD_CACHE``)."""
     generation_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
@@ -126,9 +131,13 @@ class TextWorldCookingConfig(GymConfig):
     action_pattern: str | None = r"^\s*([^\n]*)"
     """The command: the reply's first line."""
     system_prompt: str | None = SYSTEM_PROMPT
+    """The system message: one command a turn."""
     success_info_key: str | None = "won"
+    """Success is TextWorld's ``won``."""
     outcome: Literal["last_reward", "success"] = "success"
+    """The last turn scores 1 if the game was won, else 0."""
     info_text_keys: list[str] = Field(default_factory=list)
+    """None appended: the env formats its observations (feedback, inventory, commands)."""
 
     @model_validator(mode="after")
     def _pools_disjoint(self) -> TextWorldCookingConfig:
