@@ -259,13 +259,15 @@ def test_a_window_keeps_the_first_observation_and_the_last_turns_in_new_segments
                   group_size=1, max_turns=len(moves), history="window", window_turns=2)
     [t] = group(env).trajectories
     assert len(t.scores) == 6 and t.metadata["stop"] == "max_turns"
-    # turns 0-1 in the first context, then each turn in its own segment
+    # turns 0-2 in the first context (turn 2 sees the two before it), then each turn in a
+    # segment of its own
     starts = t.segment_starts
-    assert len(starts) == 4
+    assert len(starts) == 3 and len(t.metadata["segments"]) == 4
     bounds = [0, *starts, len(t.tokens)]
     texts = [renderer.decode(t.tokens[a:b]) for a, b in zip(bounds, bounds[1:])]
     first_observation = observations(t)[0]
-    for k, text in enumerate(texts[1:], start=2):  # the segment where turn k is sampled
+    assert texts[0].count("<|im_start|>assistant") == 3
+    for k, text in enumerate(texts[1:], start=3):  # the segment where turn k is sampled
         assert text.startswith("<|im_start|>system") and first_observation in text
         assert text.count("<|im_start|>assistant") == 3  # two kept turns and turn k
         kept = moves[k - 2:k + 1]

@@ -38,8 +38,9 @@ and the model is told why.
 
 History (``history``): ``full``, the whole conversation is the context (one training row);
 ``window``, the system prompt, the first observation and the last ``window_turns`` turns:
-once the episode is longer, each turn starts a new segment (the context rendered anew,
-trained as its own row, ``segment_starts``), so long episodes fit a small context.
+the first ``window_turns + 1`` turns share the first context, each later one starts a new
+segment (the context rendered anew, trained as its own row, ``segment_starts``), so long
+episodes fit a small context.
 
 Envs run in the env server's process, on its event loop (their calls are synchronous and
 short). Each episode keeps its own state of Python's and NumPy's global random number
@@ -534,6 +535,8 @@ async def run_gym_episode(backend: TurnBackend, renderer: ChatRenderer, episode:
             n_tokens, n_messages, n_starts = undo
             del state.tokens[n_tokens:], state.masks[n_tokens:], state.logprobs[n_tokens:]
             del state.messages[n_messages:], state.segment_starts[n_starts:]
+            if "segments" in state.extra:
+                del state.extra["segments"][n_starts + 1:]
             state.truncated, state.stop = True, "max_tokens"
             break
         state.generation_seconds += time.monotonic() - asked
@@ -620,7 +623,7 @@ async def run_gym_episode(backend: TurnBackend, renderer: ChatRenderer, episode:
             break
 
         undo = (len(state.tokens), len(state.messages), len(state.segment_starts))
-        windowed = config.history == "window" and len(turn_starts) >= config.window_turns
+        windowed = config.history == "window" and len(turn_starts) > config.window_turns
         if windowed:  # a new segment: the head and the last window_turns turns
             kept = state.messages[:n_head] + state.messages[turn_starts[-config.window_turns]:]
             following = renderer.prompt_ids(kept + new_messages, schemas)
