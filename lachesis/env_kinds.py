@@ -12,6 +12,7 @@ from environments.framework import registry
 BUILTIN_KINDS = {
     "verifiers": "environments.adapters.verifiers_env:verifiers_env_class",
     "openenv": "environments.adapters.openenv_env:openenv_env_class",
+    "gym": "environments.adapters.gym_env:gym_env_class",
 }
 """``KIND: module:function`` (the function takes what follows ``KIND:``)."""
 

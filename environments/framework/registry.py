@@ -33,6 +33,7 @@ ENVIRONMENTS = {
     "code_debug": "environments.envs.code_debug:CodeDebugEnv",
     "gsm8k_code": "environments.envs.gsm8k_code:GSM8KCodeEnv",
     "swe_fix": "environments.envs.swe_fix:SweFixEnv",
+    "textworld_cooking": "environments.envs.textworld_cooking:TextWorldCookingEnv",
 }
 """Envs shipped with Lachesis, by name."""
 
