@@ -1,8 +1,9 @@
 """The harness table: each catalog harness, installed as shipped, run end to end through
 the interception proxy on vLLM, its groups checked and trained on.
 
-For each harness (``--harness``, default all six): ``lachesis env process answer_file``
-with ``agent: NAME`` and ``script: true`` (one group of ``--group-size`` rollouts in bwrap
+For each harness (``--harness``, default all six, and openai-agents a second time in its
+Chat Completions mode: seven rows): ``lachesis env process answer_file`` with ``agent:
+NAME`` and ``script: true`` (one group of ``--group-size`` rollouts in bwrap
 sandboxes): the harness starts as shipped, its model calls reach the proxy in its own
 wire API, the proxy forces a two-turn episode (a call of the harness's shell tool writing
 42 to answer.txt, which the harness runs in the sandbox, then an answer; vLLM records the
@@ -42,16 +43,26 @@ from environments.jsonl_store import read_groups  # noqa: E402
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "harness_requests"
 MAX_MODEL_LEN = 32768
+VARIANTS = {"openai-agents-chat": ("openai-agents", {"OPENAI_AGENTS_API": "chat_completions"})}
+"""Rows besides one per harness: (harness, ``agent_env``): openai-agents in its Chat
+Completions mode (the catalog's default is the Responses API)."""
+ROWS = [*HARNESSES, *VARIANTS]
 
 
-async def run_harness(name: str, model: Path, server_url: str, work: Path, group_size: int,
+def row_agent(row: str) -> tuple[str, dict[str, str]]:
+    return VARIANTS.get(row, (row, {}))
+
+
+async def run_harness(label: str, model: Path, server_url: str, work: Path, group_size: int,
                       timeout_s: float) -> dict:
-    """``lachesis env process answer_file`` with ``agent: name``; the row's facts."""
-    folder = work / name
+    """``lachesis env process answer_file`` with the row's ``agent``; the row's facts."""
+    name, agent_env = row_agent(label)
+    folder = work / label
     folder.mkdir()
     config = folder / "env.yaml"
     config.write_text(yaml.safe_dump({
         "tokenizer": str(model), "inference_servers": [server_url], "agent": name,
+        "agent_env": agent_env,
         "script": True, "group_size": group_size, "max_token_length": MAX_MODEL_LEN - 512,
         "max_tokens_per_turn": 256, "agent_timeout_s": timeout_s, "concurrency": group_size,
         "sandbox_backend": "bwrap", "spool_path": str(folder / "spool.jsonl")}))
@@ -62,8 +73,9 @@ async def run_harness(name: str, model: Path, server_url: str, work: Path, group
         str(config), "--out", str(out), "--groups", "1", "--log-level", "WARNING",
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stdout, stderr = await process.communicate()
-    row = {"harness": name, "version": HARNESSES[name].version,
-           "wire_api": HARNESSES[name].wire_api, "exit": process.returncode,
+    row = {"harness": label, "version": HARNESSES[name].version,
+           "wire_api": "chat" if agent_env else HARNESSES[name].wire_api,
+           "exit": process.returncode,
            "seconds": round(time.monotonic() - started, 1), "out": str(out),
            "stderr_tail": stderr.decode(errors="replace")[-1500:]}
     groups = list(read_groups(out)) if out.exists() else []
@@ -96,10 +108,11 @@ async def table(names: list[str], group_size: int, parallel: int, timeout_s: flo
 
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(names)) as pool:  # (cached: once per machine; the
+    harnesses = sorted({row_agent(name)[0] for name in names})
+    with ThreadPoolExecutor(len(harnesses)) as pool:  # (cached: once per machine; the
         # downloads overlap: 2.1 GB for all six)
         list(pool.map(lambda name: install(HARNESSES[name], log=lambda message: print(
-            message, file=sys.stderr)), names))
+            message, file=sys.stderr)), harnesses))
     model = make_tiny_model(work / "tiny", tied=True, tokenizer="corpus", corpus=[FIXTURES],
                             vocab_size=8192, max_position_embeddings=MAX_MODEL_LEN)
     with VLLMProcess(model, max_model_len=MAX_MODEL_LEN, kv_cache_space_gib=2,
@@ -146,7 +159,8 @@ def print_table(summary: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--harness", nargs="+", default=list(HARNESSES), choices=list(HARNESSES))
+    parser.add_argument("--harness", nargs="+", default=ROWS, choices=ROWS,
+                        help="rows: a catalog harness, or openai-agents-chat")
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=300.0)
