@@ -255,3 +255,48 @@ def test_each_harness_request_as_captured_parses_renders_and_extends(harness):
     assert "echo 42 > answer.txt" in json.dumps(call["function"]["arguments"])
     assert [m.rendered["role"] for m in results][:1] == ["tool"]
     assert results[0].rendered.get("tool_call_id") == call.get("id")
+
+
+def test_mutated_harness_requests_are_parsed_or_refused_naming_a_field_never_crash():
+    """Each captured request with one value swapped for a value of another type (every
+    path of its body, a few swaps each): the dialect reads it or refuses it with a
+    RequestError that names where (a 4xx), never any other exception (a 5xx)."""
+    import random
+
+    from environments.blackbox.recorder import RequestError
+
+    def paths(value, at=()):
+        yield at
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield from paths(item, (*at, key))
+        elif isinstance(value, list):
+            for i, item in enumerate(value[:6]):
+                yield from paths(item, (*at, i))
+
+    def swapped(body, path, new):
+        body = json.loads(json.dumps(body))
+        if not path:
+            return new
+        target = body
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = new
+        return body
+
+    rng = random.Random(0)
+    others = [None, 7, -1.5, True, "x", [], [1, "a"], {}, {"type": "image"}]
+    tried = refused = 0
+    for harness in ("pi", "codex-default", "claude-code", "openai-agents-responses"):
+        for _, dialect, body in captured(harness):
+            for path in paths(body):
+                for new in rng.sample(others, 2):
+                    raw = json.dumps(swapped(body, path, new)).encode()
+                    tried += 1
+                    try:
+                        dialect.parse(raw, InterceptedRollout("r", "t", None))
+                    except RequestError as error:
+                        refused += 1
+                        assert error.status in (400, 413) and str(error), (path, new)
+                        assert error.param, (harness, path, new, str(error))
+    assert tried > 1000 and refused > 100, (tried, refused)
