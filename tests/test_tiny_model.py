@@ -376,3 +376,31 @@ def test_families_build_tied_on_request_with_their_template(family, architecture
     with pytest.raises(ValueError, match="does not fit family 'llama'"):
         make_tiny_model(tmp_path / "bad", family="llama", template="thinking")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_corpus_tokenizer_learns_on_captured_requests_and_keeps_the_chat_template(tmp_path):
+    """``make_tiny_model(tokenizer="corpus")``: merges learned on every string of the JSON
+    files given (here Pi's captured requests), the family's full template, shorter
+    prompts than byte-level; a missing corpus is refused naming it."""
+    import json as _json
+
+    import pytest as _pytest
+
+    from lachesis.tiny_model import build_task_tokenizer, build_tokenizer, file_corpus
+
+    corpus = REPO / "tests" / "fixtures" / "harness_requests" / "pi"
+    texts = file_corpus([corpus])
+    body = _json.loads(sorted(corpus.glob("*.json"))[0].read_text())["body"]
+    assert body["messages"][0]["content"] in texts  # the system prompt, as text
+    plain = build_tokenizer("qwen2")
+    learned = build_task_tokenizer(texts, 1024, plain.chat_template)
+    messages = [{"role": "system", "content": body["messages"][0]["content"]},
+                {"role": "user", "content": "Write 42 to answer.txt."}]
+    short = learned.apply_chat_template(messages, tools=body["tools"], tokenize=False)
+    assert short == plain.apply_chat_template(messages, tools=body["tools"], tokenize=False)
+    n_learned = len(learned.encode(short, add_special_tokens=False))
+    n_bytes = len(plain.encode(short, add_special_tokens=False))
+    assert n_learned * 2 < n_bytes, (n_learned, n_bytes)
+    assert learned.decode(learned.encode(short, add_special_tokens=False)) == short
+    with _pytest.raises(ValueError, match="does not exist"):
+        file_corpus([tmp_path / "nothing"])
