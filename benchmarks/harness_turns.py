@@ -33,9 +33,12 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import aiohttp  # noqa: E402
+from rollout_overhead import reset_prefix_cache  # noqa: E402
 
 from environments.blackbox.proxy import DIALECTS, InterceptionProxy  # noqa: E402
 from environments.blackbox.recorder import InterceptedRollout  # noqa: E402
@@ -83,15 +86,6 @@ async def counters(http: aiohttp.ClientSession, url: str) -> tuple[float, float]
     return values["hits"], values["queries"]
 
 
-async def reset(http: aiohttp.ClientSession, url: str) -> None:
-    for _ in range(50):  # refused while a request holds blocks
-        async with http.post(url + "/reset_prefix_cache") as response:
-            if response.status == 200:
-                return
-        await asyncio.sleep(0.1)
-    raise RuntimeError("the prefix cache could not be reset")
-
-
 async def run_episode(http, proxy: InterceptionProxy, server_url: str, calls, mode: str
                       ) -> dict:
     rollout = proxy.open_rollout()
@@ -99,7 +93,7 @@ async def run_episode(http, proxy: InterceptionProxy, server_url: str, calls, mo
     out = {}
     for i, (path, body) in enumerate(calls):
         if i == 0 or mode == "reset":
-            await reset(http, server_url)
+            await reset_prefix_cache(http, server_url)
         hits, queries = await counters(http, server_url)
         started = time.perf_counter()
         async with http.post(f"{proxy.url}/rollout/{rollout.id}{path}", json=body,

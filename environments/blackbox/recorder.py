@@ -313,11 +313,8 @@ async def record_turn(rollout: InterceptedRollout, messages: list[Message],
     asked = time.monotonic()
     try:
         with sampling_seeds(rollout.seeds):  # (the handler is not the rollout's task)
-            forced = script[len(state.turns)] if script and len(state.turns) < len(
-                script) else None
-            generated = await (rollout.backend.generate_from(context, budget) if forced is None
-                               else rollout.backend.generate_from(context, budget,
-                                                                  forced=forced))
+            forced = script[len(state.turns)] if len(state.turns) < len(script or ()) else None
+            generated = await rollout.backend.generate_from(context, budget, forced=forced)
     except ContextLengthError as error:  # a server whose limit the start check missed
         undo()
         rollout.limit = "max_tokens"
