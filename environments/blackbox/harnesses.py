@@ -139,6 +139,11 @@ class Harness:
     """PyPI: further requirements installed with the package."""
     notes: str = ""
     """What it sends besides agent turns, and what the catalog sets against it."""
+    shell_tool: tuple[str, str] = ("bash", "command")
+    """Its shell tool's name and the argument holding the command (from the tools it
+    sends: tests/fixtures/harness_requests)."""
+    submit_command: str | None = None
+    """The command that ends an episode, for a harness that ends only on one."""
 
     @property
     def spec(self) -> str:
@@ -340,18 +345,20 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "are ignored"),
     Harness("codex", "npm", "@openai/codex", "0.171.0", "responses",
             _codex_entry(), min_memory_mb=1024, memory_mb=2048, launcher=_codex,
+            shell_tool=("exec_command", "cmd"),
             notes="compaction requests (no tools, a CONTEXT CHECKPOINT COMPACTION prompt) "
                   "once reported usage passes 90 % of its window, in a loop: told of a "
                   "10^9-token window; web_search tool off; request and stream retries 0; "
                   "analytics and update check off"),
     Harness("claude-code", "npm", "@anthropic-ai/claude-code", "2.1.197", "messages",
             "node_modules/.bin/claude", min_memory_mb=3072, memory_mb=4096,
-            launcher=_claude_code,
+            launcher=_claude_code, shell_tool=("Bash", "command"),
             notes="a HEAD probe of the base URL; a title request (json_schema output, no "
                   "tools) unless CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC; auto-compaction "
                   "off; retries 0; no non-streaming fallback"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
+            submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
             notes="litellm retries a 4xx 10 times with backoff: "
                   "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1; a reply without a tool call is "
                   "a format error left out of the next request's history (a new segment)"),

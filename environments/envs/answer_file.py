@@ -11,7 +11,8 @@ item's number, else 0.0.
 
 ``script: true`` forces each rollout through a two-turn episode instead of sampling it
 (``scripted_turns``): a call of the harness's own shell tool writing the number, then an
-answer (for mini-swe-agent, which ends only on its submit command, a call of it). vLLM still
+answer (for a harness that ends only on a command, mini-swe-agent's submit, a call of it; both
+from the catalog's ``shell_tool`` and ``submit_command``). vLLM still
 records the policy's logprobs of those tokens (:mod:`environments.inference.forced_tokens`),
 so a random tiny model drives a real harness end to end (the harness runs the call in the
 sandbox) and the groups pass the trainer's alignment check: a smoke test of the whole path
@@ -27,18 +28,9 @@ from typing import Any
 from pydantic import Field
 
 from environments.blackbox.env import BlackBoxEnvConfig, BlackBoxEnvMixin
+from environments.blackbox.harnesses import HARNESSES
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
 from environments.rollout import Rollout
-
-SHELL_TOOLS: dict[str, tuple[str, str]] = {
-    "pi": ("bash", "command"), "opencode": ("bash", "command"),
-    "codex": ("exec_command", "cmd"), "claude-code": ("Bash", "command"),
-    "mini-swe-agent": ("bash", "command"), "openai-agents": ("bash", "command"),
-}
-"""Each catalog harness's shell tool and the argument that holds the command (read from
-the tools the harnesses send: tests/fixtures/harness_requests)."""
-SUBMIT = {"mini-swe-agent": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}
-"""Harnesses that end only on a command: the scripted last turn runs it."""
 
 
 def hermes_call(name: str, arguments: dict[str, Any]) -> str:
@@ -48,13 +40,14 @@ def hermes_call(name: str, arguments: dict[str, Any]) -> str:
 def script_for(agent: str, number: int) -> list[str]:
     """The scripted episode of ``agent``: its shell tool writing ``number``, then the
     answer."""
-    if agent not in SHELL_TOOLS:
+    if agent not in HARNESSES:
         raise ValueError(f"script: no scripted episode for agent {agent!r} (one of "
-                         f"{', '.join(SHELL_TOOLS)}); set scripted_turns yourself")
-    tool, argument = SHELL_TOOLS[agent]
+                         f"{', '.join(HARNESSES)}); set scripted_turns yourself")
+    harness = HARNESSES[agent]
+    tool, argument = harness.shell_tool
     call = hermes_call(tool, {argument: f"echo {number} > answer.txt"})
-    final = hermes_call(tool, {argument: SUBMIT[agent]}) if agent in SUBMIT else \
-        f"Done: answer.txt holds {number}."
+    final = hermes_call(tool, {argument: harness.submit_command}) if harness.submit_command \
+        else f"Done: answer.txt holds {number}."
     return [call, final]
 
 

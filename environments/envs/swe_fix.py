@@ -117,6 +117,7 @@ from typing import Any
 from pydantic import Field
 
 from environments.blackbox.env import BlackBoxEnvConfig, BlackBoxEnvMixin
+from environments.blackbox.harnesses import HARNESSES
 from environments.envs.swe_fix_graders import PYTEST_GRADER, UNITTEST_GRADER
 from environments.framework.base import BaseEnv, TurnLevelRewardMixin
 from environments.framework.item_order import EpochOrder
@@ -149,7 +150,7 @@ _RUN_TESTS = re.compile(r"\b(unittest|pytest)\b|\bpython3?\s+\S*test\S*\.py\b")
 # The tools of the reference agent and of the catalog harnesses (docs/harnesses.md), for
 # the turn rewards: a shell command (``command``, Codex's ``cmd``), a file read, a whole
 # file written (``content``), an edit (old/new strings) of a file.
-SHELL_TOOLS = {"bash", "Bash", "exec_command", "shell"}
+SHELL_TOOLS = {"bash", "shell", *(h.shell_tool[0] for h in HARNESSES.values())}
 READ_TOOLS = {"read_file", "read", "Read"}
 WRITE_TOOLS = {"write_file", "write", "Write"}
 EDIT_TOOLS = {"edit", "Edit", "MultiEdit"}
