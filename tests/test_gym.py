@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -346,10 +349,20 @@ def test_gym_envs_through_vllm_keep_the_exact_sampled_tokens(vllm_server, cookin
              ["--max-turns", "3", "--max-tokens-per-turn", "24", "--group-size", "3",
               "--max-token-length", "4000", "--sampling-extra", json.dumps(
                   {"logit_bias": {str(end_of_turn): 6}})])]:
-        done = subprocess.run(
-            [sys.executable, "-m", "lachesis.cli", "env", "process", name, "--out", str(out),
-             "--groups", "2", *base, *settings],
-            cwd=REPO, capture_output=True, text=True, timeout=300)
+        command = [sys.executable, "-m", "lachesis.cli", "env", "process", name, "--out",
+                   str(out), "--groups", "2", *base, *settings]
+        environ = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env=environ)
+        if done.returncode == -signal.SIGSEGV:
+            # Once in CI (never on our machines) the TextWorld run died of SIGSEGV with
+            # nothing on stderr, where is not known (Jericho's frotz, spaCy and tokenizers
+            # all run C code in it): faulthandler's traceback goes to the warnings summary,
+            # and the run is made once more.
+            warnings.warn(f"{name}: SIGSEGV, made again; its stderr: {done.stderr[-3000:]}")
+            out.unlink(missing_ok=True)
+            done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                                  timeout=300, env=environ)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads(done.stdout)
         assert summary["groups_sent"] == 2 and summary["groups_failed"] == 0, summary
