@@ -3,7 +3,8 @@ gradient of the objective it claims to optimise, on a small episodic MDP where t
 decides when to stop, and on a fixed-horizon control (docs/credit-bias.md).
 
     PYTHONPATH=. python experiments/termination_bias.py
-    PYTHONPATH=. python experiments/termination_bias.py --group-size 5 --horizon 4
+    PYTHONPATH=. python experiments/termination_bias.py --aggregation token_mean
+    PYTHONPATH=. python experiments/termination_bias.py --policies 20 --group-size 3
 
 The MDP ("search, then answer"). A turn is one action of a tabular softmax policy whose
 state is whether the answer has been found (``searching`` / ``found``); logits
@@ -25,6 +26,10 @@ on the first, on-policy step (PPO ratio 1, no mismatch weight): with
 multiplied by E[K], a batch of one group). Its expectation over groups is exact up to
 rounding: there is no sampling error.
 
+Besides the trainer's estimators the table has ``per_index_sum``, the form verl RFC #7244
+analyses (each turn reward normalised per turn index over the members that reached it,
+then summed to go; :func:`per_index_sum`), to check the RFC's claim itself.
+
 Targets (the true gradients, by the score-function formula over the enumerated
 trajectories): ``grpo`` claims ``grad E[outcome]``; ``grpo_merged``, ``turn_rtg``,
 ``gigpo``, ``mt_grpo`` and its variant ``grad E[sum of turn rewards]`` (lambda = omega =
@@ -41,7 +46,9 @@ has: ``(G-1)/G`` for centred advantages (the member's own share of the group mea
 scale, so for them ``c`` is the best-fitting one and ``rel.err`` is ``tan`` of the angle.
 ``stop``: the same error projected on the stop parameters (the ``answer`` logits, centred
 per state), over ``|grad J|``; positive: the update pushes towards stopping more than the
-objective does.
+objective does. ``noise``: the standard deviation of one group's update at the same
+scale, ``sqrt(E|g/c - E[g]/c|^2) / |grad J|`` (what an unbiased variant may pay for being
+unbiased).
 """
 
 from __future__ import annotations
@@ -188,16 +195,42 @@ def groups(n: int, size: int):
         yield members, math.factorial(size) / math.prod(math.factorial(int(c)) for c in counts)
 
 
-def expected_update(trajs: Sequence[Trajectory], estimator: str, group_size: int, *,
-                    scale: bool = False, aggregation: str = "constant",
-                    turn_advantage_coef: float = 1.0, gamma: float = 1.0) -> np.ndarray:
-    """E over groups of the loss's ascent direction for ``estimator`` (module docstring),
-    exactly, by enumerating every group."""
+def per_index_sum(trajs: Sequence[TrajectoryRewards], *, eps: float = 1e-4, scale: bool = True,
+                  **_) -> list[np.ndarray]:
+    """The form verl RFC #7244 analyses (a reference, not a Lachesis estimator): each turn
+    reward normalised over the members that reached its index, then summed to go,
+    ``A_{i,k} = sum_{j=k}^{K_i-1} z_j(r_{i,j})``, one token per turn."""
+    rewards = [t.turn_rewards for t in trajs]
+    width = max(len(r) for r in rewards)
+    z = [np.zeros(len(r)) for r in rewards]
+    for j in range(width):
+        rows = [i for i, r in enumerate(rewards) if len(r) > j]
+        column = np.array([rewards[i][j] for i in rows])
+        if len(rows) < 2 or np.ptp(column) <= 1e-12:
+            continue
+        centred = column - column.mean()
+        if scale:
+            centred = centred / (column.std(ddof=1) + eps)
+        for i, value in zip(rows, centred):
+            z[i][j] = value
+    return [np.cumsum(v[::-1])[::-1].astype(np.float32) for v in z]
+
+
+REFERENCES = {"per_index_sum": per_index_sum}
+"""Reference forms the table includes beside ``trainer.advantages.ESTIMATORS``."""
+
+
+def update_moments(trajs: Sequence[Trajectory], estimator: str, group_size: int, *,
+                   scale: bool = False, aggregation: str = "constant",
+                   turn_advantage_coef: float = 1.0, gamma: float = 1.0) -> tuple[np.ndarray, float]:
+    """``(E[g], E[|g|^2])`` over groups of the loss's ascent direction ``g`` for
+    ``estimator`` (module docstring), exactly, by enumerating every group."""
     if aggregation not in ("constant", "token_mean"):
         raise ValueError(f"aggregation must be 'constant' or 'token_mean', got {aggregation!r}")
-    fn = ESTIMATORS[estimator]
+    fn = ESTIMATORS[estimator] if estimator in ESTIMATORS else REFERENCES[estimator]
     mean_turns = sum(t.prob * len(t.rewards) for t in trajs)
     total = np.zeros(trajs[0].scores.shape[1])
+    square = 0.0
     for members, multiplicity in groups(len(trajs), group_size):
         group = [trajs[i] for i in members]
         prob = multiplicity * math.prod(t.prob for t in group)
@@ -210,7 +243,14 @@ def expected_update(trajs: Sequence[Trajectory], estimator: str, group_size: int
         else:
             update = update * mean_turns / sum(len(t.rewards) for t in group)
         total += prob * update
-    return total
+        square += prob * float(update @ update)
+    return total, square
+
+
+def expected_update(trajs: Sequence[Trajectory], estimator: str, group_size: int,
+                    **kwargs) -> np.ndarray:
+    """E over groups of the loss's ascent direction (:func:`update_moments`)."""
+    return update_moments(trajs, estimator, group_size, **kwargs)[0]
 
 
 def stop_direction(theta_shape=THETA.shape) -> np.ndarray:
@@ -230,6 +270,7 @@ class Row:
     cos: float
     rel_err: float
     stop: float | None
+    noise: float
 
 
 def nominal_scale(estimator: str, group_size: int, coef: float) -> float:
@@ -251,38 +292,66 @@ def compare(update: np.ndarray, truth: np.ndarray, scale: float | None,
 ROWS = [("grpo", "outcome"), ("grpo_merged", "return"), ("mt_grpo", "return"),
         ("mt_grpo", "credit"), ("mt_grpo_unbiased", "return"), ("mt_grpo_unbiased", "credit"),
         ("turn_rtg", "return"), ("turn_rtg_unbiased", "return"), ("gigpo", "return"),
-        ("gigpo_unbiased", "return")]
+        ("gigpo_unbiased", "return"), ("per_index_sum", "return")]
 
 
 def table(horizon: int = 4, group_size: int = 4, aggregation: str = "constant",
-          theta: np.ndarray = THETA, rows=ROWS, coef: float = 1.0) -> list[Row]:
+          theta: np.ndarray = THETA, rows=ROWS, coef: float = 1.0,
+          can_stop: Sequence[bool] = (False, True),
+          scalings: Sequence[bool] = (False, True)) -> list[Row]:
     out = []
     for mdp in mdps(horizon):
+        if mdp.can_stop not in can_stop:
+            continue
         trajs = trajectories(mdp, theta)
         stop = stop_direction(theta.shape) if mdp.can_stop else None
         truths = {target: target_gradient(trajs, target) for target in TARGETS}
-        for scaled in (False, True):
-            updates: dict[str, np.ndarray] = {}
+        for scaled in scalings:
+            moments: dict[str, tuple[np.ndarray, float]] = {}
             for estimator, target in rows:
-                if estimator not in ESTIMATORS:
-                    continue
-                if estimator not in updates:
-                    updates[estimator] = expected_update(
+                if estimator not in moments:
+                    moments[estimator] = update_moments(
                         trajs, estimator, group_size, scale=scaled, aggregation=aggregation,
                         turn_advantage_coef=coef)
+                mean, square = moments[estimator]
+                truth = truths[target]
                 scale = None if scaled else nominal_scale(estimator, group_size, coef)
-                out.append(Row(estimator, mdp.name, scaled, target,
-                               *compare(updates[estimator], truths[target], scale, stop)))
+                cos, rel, stop_error = compare(mean, truth, scale, stop)
+                c = float(mean @ truth) / float(truth @ truth) if scale is None else scale
+                spread = math.sqrt(max(square - float(mean @ mean), 0.0)) / abs(c)
+                out.append(Row(estimator, mdp.name, scaled, target, cos, rel, stop_error,
+                               spread / float(np.linalg.norm(truth))))
     return out
 
 
 def format_table(rows: Sequence[Row]) -> str:
     lines = [f"{'estimator':<17} {'MDP':<14} {'advantages':<10} {'target':<8} "
-             f"{'cos':>7} {'rel.err':>8} {'stop':>8}"]
+             f"{'cos':>7} {'rel.err':>8} {'stop':>8} {'noise':>7}"]
     for r in rows:
         stop = "-" if r.stop is None else f"{r.stop:+.4f}"
         lines.append(f"{r.estimator:<17} {r.mdp:<14} {'z-scored' if r.scaled else 'centred':<10} "
-                     f"{r.target:<8} {r.cos:7.4f} {r.rel_err:8.4f} {stop:>8}")
+                     f"{r.target:<8} {r.cos:7.4f} {r.rel_err:8.4f} {stop:>8} {r.noise:7.2f}")
+    return "\n".join(lines)
+
+
+def spread_over_policies(n: int, horizon: int, group_size: int, seed: int = 0,
+                         scaled: bool = False) -> str:
+    """min / median / max of each row's ``rel.err`` and ``stop`` in the policy-stop MDP over
+    ``n`` policies with logits drawn from N(0, 1): is the finding one of ``THETA``'s?"""
+    rng = np.random.default_rng(seed)
+    rows: dict[tuple[str, str], list[Row]] = {}
+    for _ in range(n):
+        theta = rng.normal(size=THETA.shape)
+        for r in table(horizon, group_size, theta=theta, can_stop=[True], scalings=[scaled]):
+            rows.setdefault((r.estimator, r.target), []).append(r)
+    lines = [f"{'estimator':<17} {'target':<8} {'rel.err min / median / max':>27} "
+             f"{'stop min / median / max':>27}"]
+    for (estimator, target), found in rows.items():
+        rel = np.array([r.rel_err for r in found])
+        stop = np.array([r.stop for r in found])
+        lines.append(f"{estimator:<17} {target:<8} "
+                     f"{rel.min():9.4f}{np.median(rel):9.4f}{rel.max():9.4f} "
+                     f"{stop.min():+9.4f}{np.median(stop):+9.4f}{stop.max():+9.4f}")
     return "\n".join(lines)
 
 
@@ -291,10 +360,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--horizon", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--aggregation", choices=["constant", "token_mean"], default="constant")
+    parser.add_argument("--policies", type=int, default=0, metavar="N",
+                        help="instead of the table at THETA: min / median / max over N "
+                             "random policies (policy-stop MDP, centred advantages)")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not 2 <= args.group_size <= 8 or not 2 <= args.horizon <= 6:
         parser.error("--group-size must be in 2..8 and --horizon in 2..6 (the enumeration "
                      "grows as (2^horizon)^group_size)")
+    if args.policies:
+        print(f"G = {args.group_size}; {args.policies} policies, logits ~ N(0, 1) "
+              f"(seed {args.seed}); policy stops, centred advantages\n")
+        print(spread_over_policies(args.policies, args.horizon, args.group_size, args.seed))
+        return 0
     for mdp in mdps(args.horizon):
         trajs = trajectories(mdp)
         lengths = {}

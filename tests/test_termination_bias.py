@@ -67,13 +67,13 @@ def finite_difference(f, theta, h=1e-6):
     return grad
 
 
-def true_gradient(target, can_stop):
+def true_gradient(target, can_stop, theta=THETA):
     if target in ("outcome", "return"):
-        return finite_difference(lambda t: expectation(t, can_stop, target), THETA)
+        return finite_difference(lambda t: expectation(t, can_stop, target), theta)
     # MT-GRPO's credit rule: the outcome on every turn, each intermediate reward on its own
     # turn = grad E[outcome] + the gradient of the myopic term in the acting policy only.
-    myopic = finite_difference(lambda t: expectation(THETA, can_stop, "myopic", acting=t), THETA)
-    return true_gradient("outcome", can_stop) + myopic
+    myopic = finite_difference(lambda t: expectation(theta, can_stop, "myopic", acting=t), theta)
+    return true_gradient("outcome", can_stop, theta) + myopic
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,21 @@ def test_unbiased_when_the_policy_stops(exact, estimator, target):
     # Exact enumeration: the only error is the advantages' float32 rounding (~1e-8).
     for can_stop in (True, False):
         assert errors(exact, estimator, target, can_stop)[0] < 1e-6
+
+
+def test_variants_are_unbiased_at_another_policy():
+    # Not a property of THETA: a policy drawn at random (G = 2 keeps it cheap).
+    theta = np.random.default_rng(5).normal(size=(2, 3))
+    trajs = tb.trajectories(tb.Mdp("policy stops", H, True), theta)
+    for estimator, target, scale in (("mt_grpo_unbiased", "credit", 0.5),
+                                     ("turn_rtg_unbiased", "return", 0.5),
+                                     ("gigpo_unbiased", "return", 1.0)):
+        truth = true_gradient(target, True, theta)
+        update = tb.expected_update(trajs, estimator, 2, scale=False)
+        assert np.linalg.norm(update / scale - truth) < 1e-6 * np.linalg.norm(truth)
+    update = tb.expected_update(trajs, "mt_grpo", 2, scale=False)
+    truth = true_gradient("credit", True, theta)
+    assert np.linalg.norm(update / 0.5 - truth) > 0.03 * np.linalg.norm(truth)
 
 
 def test_turn_level_estimators_are_biased_by_termination_control(exact):

@@ -33,6 +33,12 @@ The estimators
 ``gigpo``       GiGPO (arXiv 2505.10978): group-normalised episode return plus a step
                 advantage among turns that start from the same anchor state
                 (see :func:`gigpo`); needs only outcome rewards.
+``mt_grpo_unbiased``, ``turn_rtg_unbiased``, ``gigpo_unbiased``
+                the same credit rules with baselines that do not depend on the
+                trajectory's own actions (every member in every turn column; the others'
+                mean), so that with centred advantages the expected update is exactly
+                ``(G-1)/G`` times the rule's target even when the policy decides when to
+                stop (docs/credit-bias.md, ``experiments/termination_bias.py``).
 """
 
 from __future__ import annotations
@@ -319,8 +325,9 @@ def mt_grpo_unbiased(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef:
 def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
              gamma: float = 1.0, eps: float = EPS, ddof: int = DDOF,
              scale: bool = True, **_: Any) -> list[np.ndarray]:
-    """Turn-level return-to-go with a state baseline: unbiased when the policy picks the
-    number of turns.
+    """Turn-level return-to-go with a state baseline: free of the per-index length bias
+    when the policy picks the number of turns, up to its self-share (below;
+    :func:`turn_rtg_unbiased` removes that too).
 
     Rewards: ``r_{i,k}`` for the ``K_i`` turns of trajectory ``i`` (turn scores; a
     scalar-scored trajectory is ``[0, ..., 0, score]``), intermediate ones (``k < K_i-1``)
@@ -354,9 +361,15 @@ def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float =
     only thing subtracted at turn ``k`` is ``b_k``, one term, determined by the fact that
     the trajectory *has reached* turn ``k`` -- part of the history ``h_k``, fixed before
     ``a_k`` is chosen -- never by how many turns it takes afterwards. So
-    ``E[grad log pi(a_k | h_k) b_k] = 0`` (up to the member's own share ``1/n_k`` of the
-    mean, the same self-inclusion GRPO has), and the gradient favours a longer or shorter
-    trajectory exactly as much as its rewards do, no more. When taking more turns does
+    ``E[grad log pi(a_k | h_k) b_k] = 0`` up to the member's own share ``1/n_k`` of the
+    mean, ``n_k`` the number of members that reached turn ``k``. Unlike GRPO's ``1/G``
+    that share is not one constant: turn ``k``'s expected update is scaled by
+    ``E[1 - 1/n_k]``, which shrinks with ``k`` when members stop at different turns, so
+    the later turns (and the decisions to go on) are under-weighted: in the enumerated
+    MDP of docs/credit-bias.md a bias towards stopping, +0.038 of ``|grad J|`` on the stop
+    logits at ``G = 4``, shrinking with ``G`` (:func:`turn_rtg_unbiased` takes the
+    others' mean instead). Otherwise the gradient favours a longer or shorter trajectory
+    as much as its rewards do. When taking more turns does
     not change what a trajectory earns (uninformative turn rewards), the advantages carry
     no length preference: e.g. if every member's return ``G_{i,0}`` is equal, every
     turn-0 advantage is 0 whatever the turn counts, and if the extra turns' rewards are
