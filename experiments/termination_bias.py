@@ -32,8 +32,8 @@ then summed to go; :func:`per_index_sum`), to check the RFC's claim itself.
 
 Targets (the true gradients, by the score-function formula over the enumerated
 trajectories): ``grpo`` claims ``grad E[outcome]``; ``grpo_merged``, ``turn_rtg``,
-``gigpo``, ``mt_grpo`` and its variant ``grad E[sum of turn rewards]`` (lambda = omega =
-1, gamma = 1); ``mt_grpo`` is also compared with its own credit rule, ``credit``:
+``gigpo``, ``mt_grpo`` and the variants ``grad E[sum of turn rewards]`` (lambda = omega =
+1, gamma = 1); ``mt_grpo`` and its variant are also compared with their credit rule, ``credit``:
 ``E[sum_k (outcome + u_k) grad log pi(a_k | s_k)]`` with ``u_k`` turn ``k``'s
 intermediate reward (0 on the stopping turn): each intermediate reward credited to the
 turn that earned it only, which is not ``grad E[sum r]`` even at a fixed horizon, so the
@@ -73,7 +73,7 @@ TOOL_REWARD = {"search_a": 0.3, "search_b": 0.1}
 """Intermediate (turn) reward of each tool call."""
 THETA = np.array([[0.3, -0.2, 0.0],    # searching: search_a, search_b, answer
                   [0.2, 0.4, 0.1]])    # found
-"""The policy the check is made at: the stop probability is 0.32 while searching and 0.28
+"""The policy the check is made at: the stop probability is 0.32 while searching and 0.29
 once found, so lengths vary over all of 1..horizon."""
 TARGETS = ("outcome", "return", "credit")
 
@@ -222,7 +222,8 @@ REFERENCES = {"per_index_sum": per_index_sum}
 
 def update_moments(trajs: Sequence[Trajectory], estimator: str, group_size: int, *,
                    scale: bool = False, aggregation: str = "constant",
-                   turn_advantage_coef: float = 1.0, gamma: float = 1.0) -> tuple[np.ndarray, float]:
+                   turn_advantage_coef: float = 1.0,
+                   gamma: float = 1.0) -> tuple[np.ndarray, float]:
     """``(E[g], E[|g|^2])`` over groups of the loss's ascent direction ``g`` for
     ``estimator`` (module docstring), exactly, by enumerating every group."""
     if aggregation not in ("constant", "token_mean"):
