@@ -51,8 +51,6 @@ scale, ``sqrt(E|g/c - E[g]/c|^2) / |grad J|`` (what an unbiased variant may pay 
 unbiased).
 """
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import math

@@ -12,8 +12,10 @@ import statistics
 import numpy as np
 import pytest
 
-from experiments import termination_bias as tb
+from conftest import load_script
 from trainer.advantages import TrajectoryRewards, compute_group_advantages
+
+tb = load_script("experiments/termination_bias.py")
 
 # The MDP, restated from its description (not read from the module): a turn is one action
 # of a softmax policy with logits theta[state, action]; search_a earns 0.3 and finds the
