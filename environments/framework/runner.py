@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from environments.api.client import APIRequestError, RolloutAPIClient
+from environments.heartbeat import from_environment
 from environments.framework.delivery import APIDelivery, JSONLDelivery, Mirrored
 
 log = logging.getLogger(__name__)
@@ -198,9 +199,6 @@ async def process(env: Any, out: str | Path, n_groups: int) -> dict[str, Any]:
 
 async def serve(env: Any) -> dict[str, Any]:
     """Push groups to the rollout API until ``total_groups`` (or forever)."""
-    from environments.api.client import RolloutAPIClient
-    from environments.framework.delivery import JSONLDelivery
-
     from environments.framework.item_cursor import ItemCursor
 
     config = env.config
@@ -210,7 +208,23 @@ async def serve(env: Any) -> dict[str, Any]:
         if env.item_cursor.resumed:
             log.info("continuing the item order after %d items settled by an earlier start "
                      "(%s)", env.item_cursor.resumed, config.state_path)
-    async with RolloutAPIClient(config.api_url, config.api_token) as client:
+    # Under `lachesis run`: beats from this event loop, so a frozen env server, or one
+    # whose loop a synchronous call blocks, is noticed (environments/heartbeat.py).
+    heartbeat = from_environment("env")
+    beating = asyncio.create_task(heartbeat.beat_forever()) if heartbeat else None
+    try:
+        return await _serve(env, config, spool, heartbeat)
+    finally:
+        if beating is not None:
+            beating.cancel()
+            heartbeat.stop()
+
+
+async def _serve(env: Any, config: Any, spool: Path, heartbeat: Any) -> dict[str, Any]:
+    async with RolloutAPIClient(config.api_url, config.api_token,
+                                timeout_s=config.api_timeout_s) as client:
+        if heartbeat is not None:
+            heartbeat.doing(f"registering with the rollout API at {config.api_url}")
         registration = await register(env, client)
         env.env_id = registration["env_id"]
         log.info("registered with %s as env %s", config.api_url, env.env_id)
@@ -218,6 +232,8 @@ async def serve(env: Any) -> dict[str, Any]:
         copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
         await api.start()
         await poll_status(env, client)
+        if heartbeat is not None:
+            heartbeat.doing("rollouts")
         # lockstep waits on the version: polled more often where the API cannot long-poll
         poller = asyncio.create_task(follow_status(
             env, client, 0.1 if config.groups_per_policy_version else 0.5))

@@ -19,11 +19,17 @@ With ``--ray ADDRESS`` the same processes run on the nodes of a Ray cluster
 (:mod:`lachesis.run.ray_cluster`); the supervisor stays on the head, and each process's
 log and exit reach it as a local one's do.
 
-A process that dies stops the run: its log's tail is printed and the exit code is 1. A
-vLLM replica is the exception: it is restarted (from the newest weights the trainer wrote,
-``vllm.max_restarts`` times at most) while the run goes on; the env servers route around
-it meanwhile and the trainer loads the newest weights into it when it answers again.
-Ctrl-C (or SIGTERM) stops everything cleanly.
+A process of the RL phase that dies is restarted (``max_restarts`` times at most; a vLLM
+replica from the newest weights the trainer wrote, ``vllm.max_restarts`` times) while the
+run goes on; one that cannot be restarted stops the run: its log's tail is printed and
+the exit code is 1. A process that is alive but answers nothing (no health answer, no
+heartbeat for ``liveness.hang_timeout_s``: :mod:`lachesis.run.liveness`) is named, killed
+with SIGKILL and restarted the same way. Ctrl-C (or SIGTERM) stops everything cleanly.
+
+The supervisor cannot watch itself: a frozen supervisor restarts nothing until it runs
+again (its processes go on; the trainer finishes its steps). It beats into
+``runs/NAME/heartbeat/supervisor.json`` on every pass of its loop, for an outside
+watchdog (docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from environments.inference.tokenizer import record_tokenizer_class
 from environments.settings import TOKEN_VARIABLE, bearer_headers, run_token
 from lachesis.run.config import RunConfig, write_yaml
 from lachesis.run.layout import (
+    url_answers,
     EnvServer,
     Layout,
     Placement,
@@ -55,6 +62,7 @@ from lachesis.run.layout import (
     lachesis_command,
     trainer_processes,
 )
+from lachesis.run.liveness import Hang, Liveness
 from lachesis.run.processes import (
     RUN_ID_VARIABLE,
     ChildProcess,
@@ -117,13 +125,20 @@ class Supervisor:
         self.resume_command: str | None = None
         """The command that continues the run, shown when it stops."""
         self.layout: Layout | None = None
+        self.liveness: Liveness | None = None
+        """The liveness checks (made once the placement is known)."""
+        self.hung: dict[str, Hang] = {}
+        """Processes killed because they hung, until they are restarted."""
 
     # -- processes -----------------------------------------------------------------------
     def start(self, name: str, command: list[str], *, env: dict[str, str] | None = None,
               stdout_path: Path | None = None, where: str | None = None) -> ChildProcess:
         """Start ``command`` (in place ``where`` of the placement, default ``name``'s)."""
         log_path = self.run_dir / "logs" / f"{name}.log"
-        env = {RUN_ID_VARIABLE: self.run_id, **(env or {}), TOKEN_VARIABLE: self.token}
+        env = {RUN_ID_VARIABLE: self.run_id, **(env or {}), TOKEN_VARIABLE: self.token,
+               **(self.liveness.environment(name) if self.liveness else {})}
+        if self.liveness is not None:
+            self.liveness.started(name)
         if isinstance(self.placement, RayPlacement):
             child = self.placement.child(name, where or name, command, log_path, env,
                                          stdout_path).start()
@@ -152,6 +167,7 @@ class Supervisor:
         :meth:`restart`); raise :class:`RunFailed` when one that cannot be restarted has.
         Where several have, one killed by a signal is named first: the others (e.g. the
         trainer's other ranks) most likely failed because of it."""
+        self.check_live()
         dead = []
         for child in self.children:
             code = child.returncode
@@ -168,7 +184,10 @@ class Supervisor:
             also = "".join(f"; {c.name} exited too (code {k})" for c, k in dead[1:])
             spent = (f" (restarted {self.restarts[child.name]} times already)"
                      if self.restarts.get(child.name) else "")
-            raise RunFailed(f"{child.name} exited with code {code}{spent}{also}; last lines "
+            hung = self.hung.get(child.name)
+            how = (f"{hung.text()}: killed it (SIGKILL)" if hung is not None
+                   else f"{child.name} exited with code {code}")
+            raise RunFailed(f"{how}{spent}{also}; last lines "
                             f"of {child.log_path}:\n{child.log_tail()}"
                             + (f"\nto continue the run from its last checkpoint: "
                                f"{self.resume_command}" if self.resume_command else ""))
@@ -205,15 +224,81 @@ class Supervisor:
             if weights is not None:
                 at = child.command.index("--model") + 1
                 child.command = [*child.command[:at], str(weights), *child.command[at + 1:]]
-        self.say(f"{child.name} exited with code {code}: restarting it ({n} of {limit})"
+        hung = self.hung.pop(child.name, None)
+        how = (f"{hung.text()}: killed it (SIGKILL)" if hung is not None
+               else f"{child.name} exited with code {code}")
+        self.say(f"{how}: restarting it ({n} of {limit})"
                  + (f" on {weights or 'the starting model'}"
                     if child.name in self.replica_names else ""))
         log.warning("%s exited with code %s; last lines of %s:\n%s", child.name, code,
                     child.log_path, child.log_tail(10))
         time.sleep(min(30.0, self.config.restart_backoff_s * 2 ** (n - 1)))
         for member in group:
+            if self.liveness is not None:
+                self.liveness.started(member.name)
             member.start()
             self.log_started(member)
+
+    def check_live(self) -> None:
+        """Every ``liveness.check_every_s``: name and kill (SIGKILL, its whole process
+        group) each watched process that is hung; :meth:`check_alive` then restarts it
+        like a dead one (or stops the run when its restarts are spent)."""
+        self.beat()
+        if self.liveness is None or not self.liveness.due():
+            return
+        running = {c.name for c in self.children if c.running}
+        for hang in self.liveness.check(lambda name: name in running):
+            self.say(f"{hang.text()}: killing it (SIGKILL)")
+            log.warning("hung: %s", hang)
+            self.hung[hang.name] = hang
+            for child in self.children:
+                if child.name == hang.name and child.running:
+                    child.kill()
+
+    def beat(self) -> None:
+        """The supervisor's own heartbeat, for an outside watchdog (it cannot watch
+        itself): ``runs/NAME/heartbeat/supervisor.json``, rewritten every pass."""
+        now = time.monotonic()
+        if now - getattr(self, "_beaten", float("-inf")) < 1.0:
+            return
+        self._beaten = now
+        path = self.run_dir / "heartbeat" / "supervisor.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(".supervisor.json.tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "at": time.time(),
+                                       "run_id": self.run_id}))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def watch(self, layout: Layout) -> None:
+        """What the liveness checks watch: each process of the RL phase, by kind."""
+        config, live = self.config, self.liveness
+        live.watch(layout.api.name, "api", health_url=layout.api.url + "/health",
+                   startup_s=config.startup_timeout_s)
+        for replica in layout.replicas:
+            live.watch(replica.name, "vllm", health_url=replica.url + "/health", beats=True,
+                       startup_s=config.vllm.startup_timeout_s)
+        for backend, env in zip(layout.backends,
+                                [e for e in config.envs if e.server is not None]):
+            live.watch(backend.name, "server", health_url=backend.health_url,
+                       startup_s=env.server.startup_timeout_s, where=backend.where)
+        if layout.bridge is not None:
+            live.watch(layout.bridge.name, "server", health_url=layout.bridge.health_url,
+                       startup_s=config.startup_timeout_s)
+        for server in layout.envs:  # an atroposlib env runs its own loop: it does not beat
+            if server.kind == "lachesis":
+                live.watch(server.name, "env", beats=True, startup_s=config.startup_timeout_s)
+        for trainer in layout.trainers:
+            live.watch(trainer.name, "trainer", beats=True,
+                       startup_s=config.startup_timeout_s)
+
+    def answers(self, where: str | None, url: str, timeout_s: float) -> bool:
+        """Whether ``url`` answers, asked from place ``where`` (None: from here)."""
+        if where is not None and isinstance(self.placement, RayPlacement):
+            return self.placement.answers(where, url)
+        return url_answers(url, timeout_s)
 
     def pinned_weights(self, name: str) -> Path | None:
         """The newest synced weights, hard-linked into ``trainer/restart/NAME`` for replica
@@ -417,6 +502,10 @@ class Supervisor:
         record_tokenizer_class(model)  # its env servers and evaluations start without torch
         phases["model (warm start)"] = lap()
         self.layout = layout = build_layout(config, model, self.placement)
+        local = not isinstance(self.placement, RayPlacement)
+        self.liveness = Liveness(config.liveness, run_dir / "heartbeat" if local else None,
+                                 self.answers)
+        self.watch(layout)
         if isinstance(self.placement, RayPlacement):
             for process in layout.processes:  # those that listen on nothing are placed now
                 self.placement.runner(process.where)
