@@ -645,6 +645,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
                     await source.checkpointed(
                         checkpoint_step(complete_checkpoints(run_dir)[0]))
             values.update(clock.metrics())
+            values["logged_at"] = time.time()  # which start of a resumed run logged it
             metrics.log(version, values)
             progress.update(version, values)
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})

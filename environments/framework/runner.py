@@ -22,6 +22,9 @@ from environments.heartbeat import from_environment
 from environments.framework.delivery import APIDelivery, JSONLDelivery, Mirrored
 
 log = logging.getLogger(__name__)
+HELD_WARNING_S = 120.0
+"""An env held back by ``max_queued_groups`` this long says so (and again as long after):
+the trainer it waits for may be the process that has stopped."""
 
 
 async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
@@ -36,10 +39,11 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
         workers = min(workers, n_groups)
     reserved = delivered = in_progress = delivering = 0
     held_since: float | None = None
+    said_at = 0.0
     done = asyncio.Event()
 
     async def worker() -> None:
-        nonlocal reserved, delivered, in_progress, delivering, held_since
+        nonlocal reserved, delivered, in_progress, delivering, held_since, said_at
         while not done.is_set():
             if n_groups is not None and reserved + in_progress >= n_groups:
                 await asyncio.sleep(0.05)  # enough groups under way; one may still fail
@@ -49,6 +53,14 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
             if limit is not None and \
                     (env.queued_groups or 0) + in_progress + delivering >= limit:
                 held_since = held_since or time.monotonic()
+                now = time.monotonic()
+                if now - held_since >= HELD_WARNING_S and now - said_at >= HELD_WARNING_S:
+                    said_at = now
+                    log.warning("%d of this env's groups queued in the rollout API at %s "
+                                "(max_queued_groups %d) for %.0f s: waiting for the trainer "
+                                "to lease them (policy version %s)", env.queued_groups or 0,
+                                env.config.api_url, limit, now - held_since,
+                                env.policy_version)
                 await _status_changes(env, 0.1)  # the trainer is behind: wait for it
                 continue
             if held_since is not None:  # (the wall time the limit held groups back)

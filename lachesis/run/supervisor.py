@@ -483,6 +483,7 @@ class Supervisor:
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         config, run_dir = self.config, self.run_dir
+        lap = Lap()  # from here on, every second is in a phase: they add up to the wall time
         from lachesis.run.plan import make_plan
 
         # What --plan flags stops the run here (on a Ray cluster, Ray gives out the GPUs).
@@ -492,7 +493,6 @@ class Supervisor:
                             "whole layout)")
         run_dir.mkdir(parents=True, exist_ok=True)
         phases: dict[str, float] = {}  # where the time went (the summary's table)
-        lap = Lap()
         become_subreaper()
         (run_dir / "run_id").write_text(self.run_id + "\n")  # the LACHESIS_RUN_ID of its processes
         write_yaml(run_dir / "configs" / "run.yaml", config.model_dump(mode="json"))
@@ -562,6 +562,7 @@ class Supervisor:
 
         train_dir = run_dir / "trainer"
         total_steps = int(config.train.get("steps", 100))
+        training_started = time.time()
         with RunProgress(config.name, total_steps, live=self.live) as progress:
             self.progress = progress
             for server in layout.envs:
@@ -598,6 +599,13 @@ class Supervisor:
                          "log says why); evaluating its last weights")
             self.progress = None
         phases["training"] = lap()
+        summary["training"] = {"started_at": training_started, "ended_at": time.time(),
+                               "trainer_hung_s": sum(
+                                   h.silent_s for h in self.liveness.hangs
+                                   if h.kind == "trainer" and h.at >= training_started)}
+        summary["hangs"] = [{"name": h.name, "kind": h.kind, "address": h.address,
+                             "silent_s": round(h.silent_s, 1), "bound_s": h.bound_s,
+                             "what": h.what} for h in self.liveness.hangs]
         accounting = _get_json(api_url + "/accounting", timeout=30, token=self.token)
         if accounting is not None:
             from lachesis.run.report import accounting_text
@@ -607,6 +615,7 @@ class Supervisor:
         for child in [c for c in self.children if c.name.startswith("env-")]:
             child.stop()  # no more rollouts: vLLM now serves the final weights
             self.children.remove(child)
+        phases["accounting, stopping the env servers"] = lap()
         if config.evaluate:
             summary["after"] = self.evaluate("after", evaluated)
             phases["evaluation after"] = lap()
@@ -618,6 +627,7 @@ class Supervisor:
                 summary["vllm_restarts"] = replicas
         from lachesis.run.report import write_summary
 
+        summary["wall_s"] = lap.since_start()  # what the phases add up to
         summary.update(write_summary(run_dir, summary, train_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary
@@ -627,7 +637,10 @@ class Lap:
     """Seconds since the previous call (or since it was made)."""
 
     def __init__(self) -> None:
-        self.last = time.monotonic()
+        self.last = self.first = time.monotonic()
+
+    def since_start(self) -> float:
+        return time.monotonic() - self.first
 
     def __call__(self) -> float:
         now = time.monotonic()
