@@ -139,8 +139,13 @@ _FORK_HOOKED: list[str] = []
 
 def beat_in_forked_children(role: str) -> None:
     """Every process forked from this one (and from those) beats on its own, as ``role``
-    (a thread does not survive a fork)."""
+    (a thread does not survive a fork; the parent's beat is not the child's)."""
     if _FORK_HOOKED or not os.environ.get(DIR_VARIABLE):
         return
     _FORK_HOOKED.append(role)
-    os.register_at_fork(after_in_child=lambda: beat_in_thread(role))
+    def child() -> None:
+        beat = beat_in_thread(role)
+        if beat is not None:
+            beat.doing("serving")
+
+    os.register_at_fork(after_in_child=child)

@@ -36,6 +36,7 @@ def supervisor(tmp_path: Path) -> Supervisor:
     sup = Supervisor(config, live=False)
     sup.run_dir.mkdir(parents=True)
     sup.liveness = Liveness(config.liveness, sup.run_dir / "heartbeat", sup.answers)
+    sup.start_watching()  # as the run does: the checks in their thread
     return sup
 
 

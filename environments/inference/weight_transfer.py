@@ -58,8 +58,10 @@ def register() -> None:
     run`` the process also beats (:mod:`environments.heartbeat`), and so does every
     process forked from it (the engine core, which vLLM forks on a CPU after this ran):
     a frozen engine core answers nothing while its API server still answers ``/health``."""
-    beat_in_thread("vllm")
-    beat_in_forked_children("vllm")
+    beat = beat_in_thread("vllm API server")
+    if beat is not None:
+        beat.doing("serving")
+    beat_in_forked_children("vllm engine core")
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,

@@ -162,12 +162,15 @@ class Liveness:
 
     def check_one(self, w: Watched) -> Hang | None:
         hang_s = self.bound(w.kind)
-        now = time.monotonic()
         setting = f"liveness.hang_timeout_s.{w.kind}"
         startup = "its start-up timeout"
+        asked = time.monotonic()
+        answered = w.health_url is not None and self.answers(
+            w.where, w.health_url, self.settings.health_timeout_s)
+        now = time.monotonic()  # after the health check: it may have waited its timeout
         if w.health_url is not None:
-            if self.answers(w.where, w.health_url, self.settings.health_timeout_s):
-                w.answered = now
+            if answered:
+                w.answered = asked
             elif w.answered is None and now - w.started > w.startup_s:
                 return Hang(w.name, w.kind, w.health_url, now - w.started, w.startup_s,
                             startup, f"has not answered GET {w.health_url} since it started")

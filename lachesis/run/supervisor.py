@@ -42,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -129,6 +130,11 @@ class Supervisor:
         """The liveness checks (made once the placement is known)."""
         self.hung: dict[str, Hang] = {}
         """Processes killed because they hung, until they are restarted."""
+        self.lock = threading.RLock()
+        """Held while processes are (re)started and while the liveness checks look at
+        them and kill one, so a check never kills the new process of a restart."""
+        self.watching = threading.Event()
+        self.watcher: threading.Thread | None = None
 
     # -- processes -----------------------------------------------------------------------
     def start(self, name: str, command: list[str], *, env: dict[str, str] | None = None,
@@ -137,16 +143,17 @@ class Supervisor:
         log_path = self.run_dir / "logs" / f"{name}.log"
         env = {RUN_ID_VARIABLE: self.run_id, **(env or {}), TOKEN_VARIABLE: self.token,
                **(self.liveness.environment(name) if self.liveness else {})}
-        if self.liveness is not None:
-            self.liveness.started(name)
-        if isinstance(self.placement, RayPlacement):
-            child = self.placement.child(name, where or name, command, log_path, env,
-                                         stdout_path).start()
-        else:
-            child = ChildProcess(name, command, log_path, env=env,
-                                 stdout_path=stdout_path).start()
+        with self.lock:
+            if self.liveness is not None:
+                self.liveness.started(name)
+            if isinstance(self.placement, RayPlacement):
+                child = self.placement.child(name, where or name, command, log_path, env,
+                                             stdout_path).start()
+            else:
+                child = ChildProcess(name, command, log_path, env=env,
+                                     stdout_path=stdout_path).start()
+            self.children.append(child)
         self.log_started(child)
-        self.children.append(child)
         return child
 
     def log_started(self, child: ChildProcess) -> None:
@@ -207,8 +214,9 @@ class Supervisor:
         * a server the run started for an env (OpenEnv) on the same address."""
         group = [c for c in self.children if c.name in self.restart_groups.get(child.name,
                                                                                  {child.name})]
-        for member in group:
-            member.stop()  # what is left of its process group (the other ranks)
+        with self.lock:
+            for member in group:
+                member.stop()  # what is left of its process group (the other ranks)
         for backend in self.layout.backends if self.layout is not None else []:
             if backend.name == child.name and backend.container is not None:
                 # a docker CLI killed outright leaves its container: free the name and port
@@ -233,27 +241,59 @@ class Supervisor:
         log.warning("%s exited with code %s; last lines of %s:\n%s", child.name, code,
                     child.log_path, child.log_tail(10))
         time.sleep(min(30.0, self.config.restart_backoff_s * 2 ** (n - 1)))
+        with self.lock:
+            for member in group:
+                if self.liveness is not None:
+                    self.liveness.started(member.name)
+                member.start()
         for member in group:
-            if self.liveness is not None:
-                self.liveness.started(member.name)
-            member.start()
             self.log_started(member)
 
     def check_live(self) -> None:
-        """Every ``liveness.check_every_s``: name and kill (SIGKILL, its whole process
-        group) each watched process that is hung; :meth:`check_alive` then restarts it
-        like a dead one (or stops the run when its restarts are spent)."""
+        """The supervisor's own heartbeat; and the liveness checks, where no watcher
+        thread runs them (:meth:`start_watching`)."""
         self.beat()
-        if self.liveness is None or not self.liveness.due():
-            return
-        running = {c.name for c in self.children if c.running}
-        for hang in self.liveness.check(lambda name: name in running):
-            self.say(f"{hang.text()}: killing it (SIGKILL)")
-            log.warning("hung: %s", hang)
-            self.hung[hang.name] = hang
-            for child in self.children:
-                if child.name == hang.name and child.running:
-                    child.kill()
+        if self.watcher is None and self.liveness is not None and self.liveness.due():
+            self.find_hung()
+
+    def find_hung(self) -> None:
+        """Name and kill (SIGKILL, its whole process group) each watched process that is
+        hung; :meth:`check_alive` then restarts it like a dead one (or stops the run when
+        its restarts are spent)."""
+        with self.lock:
+            children = list(self.children)
+            running = {c.name for c in children if c.running}
+            for hang in self.liveness.check(lambda name: name in running):
+                self.say(f"{hang.text()}: killing it (SIGKILL)")
+                log.warning("hung: %s", hang)
+                self.hung[hang.name] = hang
+                for child in children:
+                    if child.name == hang.name and child.running:
+                        child.kill()
+
+    def start_watching(self) -> None:
+        """Run the liveness checks every ``liveness.check_every_s`` in a thread: on
+        time whatever the supervisor's loop waits for (a health check of a frozen
+        process waits ``liveness.health_timeout_s``), so a frozen process is named within
+        its ``hang_timeout_s`` plus a check period and a health check's wait."""
+        period = self.config.liveness.check_every_s
+
+        def watch() -> None:
+            next_at = time.monotonic() + period
+            while not self.watching.wait(max(0.0, next_at - time.monotonic())):
+                try:
+                    self.find_hung()
+                except Exception:  # noqa: BLE001 - a check that fails must not end them
+                    log.exception("liveness check failed")
+                next_at = max(next_at + period, time.monotonic())  # a fixed schedule
+
+        self.watcher = threading.Thread(target=watch, name="liveness", daemon=True)
+        self.watcher.start()
+
+    def stop_watching(self) -> None:
+        self.watching.set()
+        if self.watcher is not None:
+            self.watcher.join(timeout=30)
 
     def beat(self) -> None:
         """The supervisor's own heartbeat, for an outside watchdog (it cannot watch
@@ -360,6 +400,7 @@ class Supervisor:
             self.children.remove(child)
 
     def stop_all(self) -> None:
+        self.stop_watching()  # a process being stopped is not a hung one
         for child in reversed(self.children):
             if child.running:
                 log.info("stopping %s", child.name)
@@ -506,6 +547,7 @@ class Supervisor:
         self.liveness = Liveness(config.liveness, run_dir / "heartbeat" if local else None,
                                  self.answers)
         self.watch(layout)
+        self.start_watching()
         if isinstance(self.placement, RayPlacement):
             for process in layout.processes:  # those that listen on nothing are placed now
                 self.placement.runner(process.where)
