@@ -10,7 +10,8 @@ TensorBoard / wandb through the same sink).
 - ``time/hang_wait``: waiting on a process that did not answer: requests to the rollout
   API that went unanswered (timed out, refused) and their retries, a batch wait while the
   API had not heard from an env server or a vLLM server did not answer its health check,
-  a weight sync to a server that timed out. Taken out of the part it happened in, so the
+  a weight sync to a server that failed (timed out, or was killed for hanging) beyond
+  what the servers that answered took. Taken out of the part it happened in, so the
   parts and the rest still add up to the step;
 - ``time/step``: all of the step, the parts above and the rest (acknowledging the batch,
   logging).

@@ -488,8 +488,9 @@ class PolicyServers:
                             "answers again", version, url,
                             sync_error_text(result, self.config.sync_timeout_s))
                 self.behind.add(url)
-                if isinstance(result, asyncio.TimeoutError):  # waited on a silent server
-                    unanswered(took[url] - max(done, default=0.0))
+                # the time beyond the servers that answered went on one that did not (it
+                # timed out, or its supervisor killed it for hanging)
+                unanswered(took[url] - max(done, default=0.0))
             elif isinstance(result, BaseException):
                 raise result
         values["vllm_behind"] = len(self.behind)
