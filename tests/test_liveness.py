@@ -1,7 +1,8 @@
 """Liveness without vLLM: the supervisor's own checks against small real processes. A
 process that beats (as an env server does) and one that answers a health endpoint (as
 the rollout API does) are SIGSTOPped; the supervisor names each within its
-``hang_timeout_s`` plus a check period, kills it with SIGKILL and restarts it through
+``hang_timeout_s`` plus a check period and a health check's wait, kills it with SIGKILL
+and restarts it through
 the path a dead process takes, and once the restarts are spent the run stops saying
 what hung. About 6 s wall, 2 s CPU."""
 

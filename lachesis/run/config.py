@@ -187,8 +187,9 @@ class LivenessSettings(_Section):
     """How the supervisor tells a hung process from a busy one (lachesis/run/liveness.py)."""
 
     check_every_s: float = Field(default=5.0, gt=0)
-    """How often every process is checked: a permanent freeze is noticed within its
-    ``hang_timeout_s`` plus this."""
+    """How often every process is checked: a permanent freeze is named within its
+    ``hang_timeout_s`` plus this plus ``health_timeout_s`` (the health check that finds
+    it silent waits that long)."""
     health_timeout_s: float = Field(default=5.0, gt=0)
     """How long one health check may take (a miss alone is not a hang: the bound is
     ``hang_timeout_s``)."""

@@ -196,14 +196,3 @@ class Liveness:
                         hang_s, setting, f"has sent no heartbeat (last: {oldest.get('role')} "
                         f"{doing}, for {since:.0f} s)")
         return None
-
-    def hang_seconds(self) -> float:
-        """Seconds from each hung process's last answer to its kill, overlaps counted
-        once."""
-        spans = sorted((h.at - h.silent_s, h.at) for h in self.hangs)
-        total, end = 0.0, float("-inf")
-        for start, stop in spans:
-            if stop > end:
-                total += stop - max(start, end)
-                end = stop
-        return total
