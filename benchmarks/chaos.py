@@ -1,10 +1,20 @@
-"""Chaos: one ``lachesis run`` during which a driver kills, at seeded random moments, the
-trainer, an env server, a vLLM replica, the rollout API and the whole run (then
-``lachesis run CONFIG --resume``). The run must finish; afterwards the rollout accounting
-must add up, the metrics must hold every step exactly once, and the final evaluation
-must have run. Prints the fault log and the accounting; exits 1 when a check fails.
+"""Chaos: one ``lachesis run`` during which a driver kills or freezes, at seeded random
+moments, the trainer, an env server, a vLLM replica, the rollout API and the whole run
+(then ``lachesis run CONFIG --resume``). The run must finish; afterwards the rollout
+accounting must add up, the metrics must hold every step exactly once, the final
+evaluation must have run, and "where the time went" must add up to the run's wall time.
+Prints the fault log and the accounting; exits 1 when a check fails.
 
     python benchmarks/chaos.py CONFIG --faults 8 --seed 1
+    python benchmarks/chaos.py CONFIG --faults 10 --kinds trainer,env,freeze-trainer,...
+
+Fault kinds: ``trainer``, ``env``, ``vllm``, ``api``: SIGKILL of that process; ``run``:
+SIGKILL of every process of the run, the supervisor too, then ``--resume``;
+``freeze-KIND`` (KIND one of ``trainer``, ``env``, ``vllm`` (a replica's API server),
+``engine`` (its engine core), ``api``): SIGSTOP for good, which the supervisor must
+notice within that kind's ``liveness.hang_timeout_s`` plus a check period (and a health
+check's wait), name, kill and restart (checked: the run's output must name it in time);
+``pause-KIND`` (those, and ``supervisor``): SIGSTOP for ``--pause-s``, then SIGCONT.
 
 A fault lands a random share of a step's duration (the last logged ``time/step``) after
 the trainer logged a randomly chosen step, or as that next step ends if it is sooner, so
@@ -36,10 +46,16 @@ from lachesis.run.processes import processes_of_run  # noqa: E402
 from lachesis.run.progress import last_metrics  # noqa: E402
 from lachesis.run.report import accounting_problems, accounting_text  # noqa: E402
 
-KINDS = ("trainer", "env", "vllm", "api", "run")
+KILLS = ("trainer", "env", "vllm", "api", "run")
+FROZEN = ("trainer", "env", "vllm", "engine", "api")
+KINDS = (*KILLS, *(f"freeze-{k}" for k in FROZEN),
+         *(f"pause-{k}" for k in (*FROZEN, "supervisor")))
 # What a process's command line holds (the guard that leads its group is not it).
 MARKERS = {"trainer": b"lachesis.cli\0train\0", "env": b"\0env\0serve\0",
            "vllm": b"environments.inference.vllm_serve", "api": b"lachesis.cli\0api\0"}
+LIVENESS_KIND = {"trainer": "trainer", "env": "env", "vllm": "vllm", "engine": "vllm",
+                 "api": "api"}
+"""The ``liveness.hang_timeout_s`` that bounds a freeze of each target."""
 
 
 @dataclass
@@ -55,7 +71,16 @@ class Fault:
     pids: list[int] = field(default_factory=list)
     at_s: float = 0.0
     recovered_s: float | None = None
+    noticed_s: float | None = None
+    """A freeze for good: seconds until the run's output named the process."""
+    named: str = ""
+    """What the run printed when it named it."""
     note: str = ""
+
+    @property
+    def target(self) -> str:
+        """The process kind struck (``trainer`` for ``freeze-trainer``)."""
+        return self.kind.split("-", 1)[-1]
 
 
 def plan(n: int, kinds: list[str], steps: int, rng: random.Random) -> list[Fault]:
@@ -74,15 +99,37 @@ def plan(n: int, kinds: list[str], steps: int, rng: random.Random) -> list[Fault
             for kind, step in zip(order[:n], at)]
 
 
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_ids(run_dir: Path, kind: str) -> list[int]:
+    """The processes of ``kind`` (``engine``: a vLLM engine core, a child of a vLLM API
+    server; vLLM forks it on a CPU, so its command line is its parent's or its own
+    process title)."""
     run_id = (run_dir / "run_id").read_text().strip()
-    found = []
+    found, commands = [], {}
     for pid in processes_of_run(run_id):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            commands[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if MARKERS[kind] in cmd and b"lachesis.run.guard" not in cmd:
+    def vllm(cmd: bytes) -> bool:  # a vLLM server's process, not the guard above it
+        return MARKERS["vllm"] in cmd and b"lachesis.run.guard" not in cmd
+
+    servers = {pid for pid, cmd in commands.items()
+               if vllm(cmd) and not vllm(commands.get(parent_pid(pid), b""))}
+    for pid, cmd in commands.items():
+        if kind == "engine":
+            if parent_pid(pid) in servers and (b"EngineCore" in cmd or MARKERS["vllm"] in cmd):
+                found.append(pid)
+        elif kind == "vllm":
+            if pid in servers:
+                found.append(pid)
+        elif MARKERS[kind] in cmd and b"lachesis.run.guard" not in cmd:
             found.append(pid)
     return found
 
@@ -158,12 +205,60 @@ class Chaos:
             fault.note = "then: lachesis run CONFIG --resume"
             self.start_run("--resume")
             return
-        pids = process_ids(self.run_dir, fault.kind)
-        if not pids:
-            fault.note = "no such process at that moment (restarting?): skipped"
+        if fault.kind == "pause-supervisor":
+            fault.pids = [self.run.pid]
+        else:
+            pids = process_ids(self.run_dir, fault.target)
+            if not pids:
+                fault.note = "no such process at that moment (restarting?): skipped"
+                return
+            fault.pids = [random.Random(fault.step).choice(pids)]
+        if fault.kind in KILLS:
+            os.kill(fault.pids[0], signal.SIGKILL)
             return
-        fault.pids = [random.Random(fault.step).choice(pids)]
-        os.kill(fault.pids[0], signal.SIGKILL)
+        offset = self.log_size()
+        os.kill(fault.pids[0], signal.SIGSTOP)
+        if fault.kind.startswith("pause-"):
+            time.sleep(self.args.pause_s)
+            try:
+                os.kill(fault.pids[0], signal.SIGCONT)
+            except ProcessLookupError:
+                fault.note = "(killed while paused)"
+            fault.note = fault.note or f"SIGCONT after {self.args.pause_s:g} s"
+            return
+        self.await_named(fault, offset)
+
+    def log_size(self) -> int:
+        self.log.flush()
+        return Path(self.log.name).stat().st_size
+
+    def bound(self, fault: Fault) -> float:
+        """How long the supervisor may take to name a process frozen for good."""
+        live = self.config.liveness
+        hang = getattr(live.hang_timeout_s, LIVENESS_KIND[fault.target])
+        # + 1 s: this driver reads the run's output every 0.2 s, the run flushes it
+        return hang + live.check_every_s + live.health_timeout_s + 1.0
+
+    def await_named(self, fault: Fault, offset: int) -> None:
+        """Wait until the run's output names the frozen process (or the bound and 60 s
+        more pass: the report then counts it a failed check)."""
+        struck = time.monotonic()
+        deadline = struck + self.bound(fault) + 60
+        name_of = {"trainer": "trainer", "env": "env-", "vllm": "vllm", "engine": "vllm",
+                   "api": "api"}[fault.target]
+        while time.monotonic() < deadline and self.run.poll() is None:
+            with open(self.log.name, "rb") as f:
+                f.seek(offset)
+                new = f.read().decode(errors="replace")
+            for line in new.splitlines():
+                if "killing it (SIGKILL)" in line and line.startswith(name_of):
+                    fault.noticed_s, fault.named = time.monotonic() - struck, line.strip()
+                    return
+            time.sleep(0.2)
+        if self.step() >= self.steps:  # the run ended its training before the bound
+            fault.note = "not named: the trainer's last step came first (the run stopped it)"
+        else:
+            fault.note = "not named by the run"
 
     def main(self) -> int:
         args = self.args
@@ -185,8 +280,12 @@ class Chaos:
             fault.delay_s = fault.fraction * self.step_seconds()
             self.sleep_within_step(fault.delay_s)
             self.strike(fault)
-            print(f"[{fault.at_s:7.1f} s] step {fault.at_step}: killed {fault.kind} "
-                  f"{fault.pids} {fault.note}", flush=True)
+            verb = "killed" if fault.kind in KILLS else \
+                {"freeze": "froze", "pause": "paused"}[fault.kind.split("-")[0]]
+            print(f"[{fault.at_s:7.1f} s] step {fault.at_step}: {verb} {fault.target} "
+                  f"{fault.pids} {fault.note}"
+                  + (f"; named after {fault.noticed_s:.1f} s: {fault.named}"
+                     if fault.noticed_s is not None else ""), flush=True)
             if fault.pids and fault.at_step >= self.steps:
                 # it hit the run's last moments (the last step's sync or checkpoint, the
                 # final evaluation): recovered once the run ends, which the report checks
@@ -211,6 +310,19 @@ class Chaos:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         if self.config.evaluate and not summary.get("after"):
             problems.append("no final evaluation in summary.json")
+        for f in faults:
+            if f.kind.startswith("freeze-") and f.pids and "last step came first" not in \
+                    f.note and (f.noticed_s is None or f.noticed_s > self.bound(f)):
+                problems.append(f"fault {f.kind} at step {f.at_step}: named after "
+                                f"{f.noticed_s} s, bound {self.bound(f):g} s "
+                                "(hang_timeout_s + check_every_s + health_timeout_s + 1 s)")
+        if summary.get("phases"):
+            total = sum(summary["phases"].values())
+            if abs(total - summary.get("wall_s", total)) > 1.0:
+                problems.append(f"where the time went: the phases add up to {total:.1f} s, "
+                                f"the run took {summary['wall_s']:.1f} s")
+            if "outside the steps" not in summary.get("time_table", "outside the steps"):
+                problems.append("where the time went: no row outside the trainer's steps")
         db = QueueDB(self.run_dir / "api" / "queue.sqlite")
         accounting = db.accounting()
         db.close()
@@ -218,12 +330,19 @@ class Chaos:
         print(f"\nchaos: {self.config.name}, {self.steps} steps, seed {self.args.seed}, "
               f"{len(faults)} faults, {self.now():.0f} s in all, {self.runs} `lachesis run` "
               f"starts, restarts by the supervisor: {summary.get('restarts', {})}")
-        print(f"{'#':>2} {'kind':8} {'at step':>7} {'+delay':>6} {'time':>8} "
-              f"{'recovered in':>12}  pids")
+        print(f"{'#':>2} {'kind':16} {'at step':>7} {'+delay':>6} {'time':>8} "
+              f"{'named in':>8} {'recovered in':>12}  pids")
         for i, f in enumerate(faults, 1):
             recovered = f"{f.recovered_s:.1f} s" if f.recovered_s is not None else "-"
-            print(f"{i:>2} {f.kind:8} {f.at_step if f.at_step is not None else '-':>7} "
-                  f"{f.delay_s:>5.2f}s {f.at_s:>7.1f}s {recovered:>12}  {f.pids} {f.note}")
+            named = f"{f.noticed_s:.1f} s" if f.noticed_s is not None else "-"
+            print(f"{i:>2} {f.kind:16} {f.at_step if f.at_step is not None else '-':>7} "
+                  f"{f.delay_s:>5.2f}s {f.at_s:>7.1f}s {named:>8} {recovered:>12}  {f.pids} "
+                  f"{f.note}")
+        for f in faults:
+            if f.named:
+                print(f"  {f.kind}: {f.named}")
+        if summary.get("time_table"):
+            print("\n" + summary["time_table"])
         print("\nrollout accounting:\n" + accounting_text(accounting))
         print(f"metrics: {len(steps)} lines, steps {steps[0] if steps else '-'}.."
               f"{steps[-1] if steps else '-'}; final evaluation: "
@@ -239,8 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", type=Path)
     parser.add_argument("--faults", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"which processes to kill, comma-separated (default: {','.join(KINDS)})")
+    parser.add_argument("--kinds", default=",".join(KILLS),
+                        help="which faults, comma-separated, from: " + ", ".join(KINDS)
+                        + f" (default: {','.join(KILLS)})")
+    parser.add_argument("--pause-s", type=float, default=10.0,
+                        help="how long a pause-KIND fault keeps the process stopped")
     parser.add_argument("--fresh-rl", action="store_true",
                         help="keep an existing warm start, start the RL phase over")
     parser.add_argument("--timeout-s", type=float, default=900.0,

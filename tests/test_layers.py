@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("environments", "trainer", "lachesis")
 
 DATA_MODEL = {"environments.trajectory", "environments.rollout", "environments.jsonl_store",
-              "environments.settings"}
+              "environments.settings", "environments.heartbeat"}
 LOWER = ("environments.api", "environments.inference", "environments.sandbox",
          "environments.inspection")
 TRAINER_MAY_IMPORT = DATA_MODEL | {"environments.api.client", "environments.inference"}

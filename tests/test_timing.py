@@ -64,3 +64,38 @@ def test_every_step_logs_where_its_time_went(tiny_model_dir, tmp_path):
                             tmp_path / "run/metrics.jsonl")
     assert written["time_table"] == table
     assert table in (tmp_path / "run/summary.md").read_text()
+
+
+def test_where_the_time_went_adds_up_to_the_wall_time_hangs_included():
+    """The training phase's rows add up to it (waits on a silent process and the
+    trainer's own hang among them, steps of an earlier start of a resumed run left out),
+    and the phases to the total, the run's wall time. No model: 0.01 s."""
+    def step(at, **parts):
+        values = {f"time/{p}": parts.get(p, 0.0) for p in PARTS}
+        return {"step": 0, "logged_at": at, **values,
+                "time/step": sum(values.values()) + parts.get("rest", 0.0)}
+
+    rows = [step(50.0, batch_wait=9.0, train=1.0),  # logged by the start before a resume
+            step(110.0, batch_wait=4.0, prepare=1.0, train=2.0, sync=1.0, rest=0.5),
+            step(150.0, batch_wait=1.0, train=2.0, hang_wait=30.0, checkpoint=1.5),
+            step(190.0, train=2.0, sync=0.5, hang_wait=4.5, rest=0.5)]
+    phases = {"model (warm start)": 3.0, "start-up": 40.0, "training": 100.0,
+              "accounting, stopping the env servers": 2.0, "evaluation after": 5.0}
+    table = time_table(phases, rows, {"started_at": 100.0, "ended_at": 200.0,
+                                      "trainer_hung_s": 20.0})
+    figures = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[1].replace(".", "").isdigit():
+            figures[cells[0].replace("&nbsp;", "")] = float(cells[1])
+    parts = {k: v for k, v in figures.items() if k not in phases and k != "**total**"}
+    assert parts == {
+        "waiting for batches": 5.0, "advantages, packing": 1.0,
+        "forward, backward, optimizer": 6.0, "weight syncs": 1.5, "checkpoints": 1.5,
+        # the steps' own waits on silent processes, and the trainer's hang (its step lost)
+        "waiting on a process that did not answer": 34.5 + 20.0,
+        "rest of the 3 steps": 1.0,
+        "outside the steps (the trainer's start, restarts and the steps they lost)":
+            100.0 - 50.5 - 20.0}
+    assert sum(parts.values()) == pytest.approx(phases["training"])
+    assert figures["**total**"] == sum(phases.values()) == 150.0

@@ -24,6 +24,11 @@ class TrainConfig(BaseModel):
     api_url: str | None = "http://127.0.0.1:8000"
     """Rollout API to lease batches from (ignored when ``data`` is set)."""
     api_token: str | None = Field(default_factory=run_token)
+    api_timeout_s: float = Field(default=30.0, gt=0)
+    """How long one request to the rollout API may take (a ``/lease``: this on top of its
+    ``lease_wait_s``) before it counts as unanswered, is logged with the API's address and
+    retried; after 11 attempts (about 6 min at the default) the trainer exits and is
+    restarted from its checkpoint."""
     data: Path | None = None
     """Train offline from this JSONL (groups for ``rl``; groups or messages for ``sft``)."""
     batch_size: int = Field(default=64, ge=1)
@@ -186,6 +191,15 @@ class TrainConfig(BaseModel):
     it): one that fails a sync is left behind instead of stopping the run and loaded with
     the newest weights once it answers again; every sync also keeps a disk copy
     (``run_dir/weights``), which a restarted server starts from."""
+    sync_timeout_s: float = Field(default=300.0, gt=0)
+    """How long one weight-sync request to a vLLM server may take (pause, a reload of the
+    weights from disk, a transfer, resume): a reload of a big model from disk. A server
+    that exceeds it misses the sync (supervised: it gets the weights once it answers
+    again; its supervisor restarts it if it hangs)."""
+    vllm_health_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a health check of a vLLM server may take (``/health``: before a sync to a
+    server that missed one, and while the trainer waits long for a batch, to name a
+    server that does not answer)."""
     vllm_port: int | None = None
     vllm_max_model_len: int = Field(default=4096, ge=16)
     vllm_args: list[str] = Field(default_factory=list)

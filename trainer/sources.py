@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import aiohttp
 import torch.distributed as dist
 
 from environments.api.client import RejectedGroup, RolloutAPIClient
@@ -33,8 +34,14 @@ from environments.jsonl_store import read_groups
 from environments.trajectory import ScoredGroup
 from trainer.batch import BatchError, TrainBatch, pack
 from trainer.config import TrainConfig
+from trainer.timing import unanswered
 
 log = logging.getLogger("lachesis.train")
+VLLM_PROBE_AFTER_S = 10.0
+"""A batch wait this long health-checks the vLLM servers, to name one that does not
+answer (and count the wait as ``time/hang_wait``)..."""
+VLLM_PROBE_EVERY_S = 10.0
+"""...at most this often."""
 
 
 @dataclass
@@ -158,7 +165,12 @@ class APIBatches:
     def __init__(self, config: TrainConfig, rank: int = 0, world: int = 1):
         # A restarted API is back in seconds: retries span ~30-60 s before the trainer
         # gives up (and is restarted from its checkpoint).
-        self.client = RolloutAPIClient(config.api_url, config.api_token, retries=10)
+        self.client = RolloutAPIClient(config.api_url, config.api_token, retries=10,
+                                       timeout_s=config.api_timeout_s)
+        self.client.on_unanswered = unanswered  # time/hang_wait of the step under way
+        self.vllm_silent: dict[str, str] = {}
+        """vLLM servers that did not answer their last health check: url -> why."""
+        self._vllm_asked = float("-inf")
         self.config = config
         self.rank, self.world = rank, world
         self.envs_since: float | None = None
@@ -186,29 +198,71 @@ class APIBatches:
         since = start if since is None else since
         limit = self.config.max_batch_wait_s
         warn_at = start + self.config.batch_wait_warning_s
+        self.vllm_silent = {}
         while True:
             asked = time.monotonic()
             wait_s = min(self.config.lease_wait_s, max(0.0, warn_at - asked))
             if limit is not None:  # back in time to give up
                 wait_s = min(wait_s, max(0.0, limit - (asked - since)))
+            unanswered_before = self.client.unanswered_s
             leased = await self.client.lease(self.config.batch_size, wait_s=round(wait_s, 3))
             if leased is not None:
                 for rejected in leased.rejected:
                     log.error("setting aside %s", rejected)
                 return Batch(leased.groups, leased.lease_id, leased.rejected)
             now = time.monotonic()
+            if now - start >= VLLM_PROBE_AFTER_S:
+                await self._probe_vllm(now)
+                now = time.monotonic()
+            if self.client.no_batch_silent or self.vllm_silent:
+                # waiting on a process that does not answer (the API's own silence is
+                # counted by the client)
+                unanswered(now - asked - (self.client.unanswered_s - unanswered_before))
             if limit is not None:
                 waited = now - await self._counted_from(since, now)
                 if waited >= limit:
                     raise BatchWaitExceeded(waited, self.client.no_batch_reason)
             if now >= warn_at:
-                log.warning("no batch of %d sequences for %.1f s (the rollout API: %s); "
-                            "if that lasts, the env servers deliver nothing: see their logs",
-                            self.config.batch_size, now - start,
-                            self.client.no_batch_reason or "no reason given")
+                log.warning("no batch of %d sequences for %.1f s (the rollout API at %s: "
+                            "%s); %s", self.config.batch_size, now - start, self.client.url,
+                            self.client.no_batch_reason or "no reason given", self.silent())
                 warn_at += self.config.batch_wait_warning_s
             if time.monotonic() - asked < wait_s / 2 or not wait_s:
                 await asyncio.sleep(self.config.lease_poll_s)  # an API that did not wait
+
+    def silent(self) -> str:
+        """Which process has not answered, as far as the trainer can tell (the API's
+        silent env servers, vLLM servers that failed a health check)."""
+        parts = [f"the rollout API has not heard from env server {e.get('name')} for "
+                 f"{e.get('silent_s', 0):.0f} s" for e in self.client.no_batch_silent]
+        parts += [f"vLLM at {url} {why}" for url, why in sorted(self.vllm_silent.items())]
+        if parts:
+            return "not answering: " + "; ".join(parts)
+        return ("every env server talks to the API and every vLLM server answers: if that "
+                "lasts, the env servers deliver nothing: see their logs")
+
+    async def _probe_vllm(self, now: float) -> None:
+        """Health-check the vLLM servers (every ``VLLM_PROBE_EVERY_S`` at most)."""
+        if not self.config.vllm_urls or now - self._vllm_asked < VLLM_PROBE_EVERY_S:
+            return
+        self._vllm_asked = now
+        bound = self.config.vllm_health_timeout_s
+        timeout = aiohttp.ClientTimeout(total=bound)
+
+        async def ask(url: str) -> tuple[str, str | None]:
+            try:
+                async with aiohttp.ClientSession(timeout=timeout) as session, \
+                        session.get(url.rstrip("/") + "/health") as response:
+                    return url, None if response.status < 400 else \
+                        f"answered /health with {response.status}"
+            except asyncio.TimeoutError:
+                return url, (f"did not answer /health within {bound:g} s "
+                             "(train.vllm_health_timeout_s)")
+            except aiohttp.ClientError as error:
+                return url, f"refused /health ({type(error).__name__}: {error})"
+
+        answers = await asyncio.gather(*(ask(u) for u in self.config.vllm_urls))
+        self.vllm_silent = {url: why for url, why in answers if why is not None}
 
     async def next(self, since: float | None = None) -> Batch:
         """Rank 0 leases (or gives up after ``max_batch_wait_s``) and tells the others."""

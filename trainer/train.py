@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from environments.api.client import RejectedGroup
+from environments.heartbeat import beat_in_thread, doing, stop_thread_beat
 from trainer.advantages import compute_group_advantages
 from trainer.batch import (
     BatchError,
@@ -458,11 +459,16 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     """Train per ``config`` (steps, checkpoints, syncs); the run's summary. With several
     ranks (torchrun, or ``lachesis run --ray``), every rank runs this and leaves the
     process group at the end."""
+    # Under `lachesis run`: every rank beats from a thread through its steps, syncs and
+    # checkpoints (environments/heartbeat.py), so a frozen rank is told from a slow step.
+    beat_in_thread("trainer")
     try:
         summary = await _train(config, check_only=check_only)
     except BaseException:
         leave_process_group(together=False)
         raise
+    finally:
+        stop_thread_beat()
     leave_process_group(together=True)
     return summary
 
@@ -546,6 +552,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
         for step in range(start_step, config.steps):
             started = time.monotonic()
             clock = StepClock()
+            doing(f"step {step + 1}: waiting for a batch")
             # 1-2. a batch, checked, with advantages (bad groups set aside); a batch with
             # nothing to train on is acknowledged and is not a step
             try:
@@ -593,6 +600,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(step, config)
                 values["lr"] = optimizer.param_groups[0]["lr"]
+            doing(f"step {step + 1}: forward, backward, optimizer")
             if tensors is not None:
                 with clock("train"):
                     values.update(train_steps(model, optimizer, tensors, config,
@@ -609,6 +617,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
             # check that they arrived, then the new version to the rollout API
             if leader:
                 await source.finish(batch, step=version)
+            doing(f"step {version}: weight sync")
             with clock("sync"):
                 if servers is not None:
                     values.update(await servers.check())
@@ -626,6 +635,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
             values["step_seconds"] = seconds
             values["tokens_per_second"] = values.get("trained_tokens", 0) / seconds
             if checkpoints:
+                doing(f"step {version}: checkpoint")
                 with clock("checkpoint"):
                     save_checkpoint(run_dir, version, model, optim, tokenizer,
                                     source.position, weights, keep=config.keep_checkpoints,
@@ -635,6 +645,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
                     await source.checkpointed(
                         checkpoint_step(complete_checkpoints(run_dir)[0]))
             values.update(clock.metrics())
+            values["logged_at"] = time.time()  # which start of a resumed run logged it
             metrics.log(version, values)
             progress.update(version, values)
             summary.update(last_step=version, **{f"last_{k}": v for k, v in values.items()})

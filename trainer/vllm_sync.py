@@ -62,6 +62,7 @@ from environments.inference.vllm_client import inference_session
 from trainer.lora import AdapterLoadError, LoraSync
 from trainer.lora import vllm_options as lora_vllm_options
 from trainer.losses import token_logprobs
+from trainer.timing import unanswered
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,15 @@ class WeightSyncError(RuntimeError):
 
 SYNC_ERRORS = (WeightSyncError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 """How a sync to a server that died (or is restarting) fails."""
+
+
+def sync_error_text(error: BaseException, timeout_s: float) -> str:
+    """What a failed sync request says: its type and message; a timeout (whose message
+    is empty) with the bound it exceeded."""
+    if isinstance(error, asyncio.TimeoutError):
+        return (f"{type(error).__name__}: no answer within {timeout_s:g} s "
+                "(train.sync_timeout_s)")
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 TIED_WEIGHTS_FILE = "tied-weights.safetensors"
@@ -263,14 +273,23 @@ def vllm_options(config: Any) -> tuple[list[str], dict[str, str]]:
     return [], {}
 
 
-async def wait_until_answering(urls: list[str], poll_s: float = 0.5) -> None:
-    """Return once every server of ``urls`` answers ``/health``."""
+async def wait_until_answering(urls: list[str], poll_s: float = 0.5,
+                               health_timeout_s: float = 5.0, say_every_s: float = 60.0) -> None:
+    """Return once every server of ``urls`` answers ``/health`` (each check waits
+    ``health_timeout_s``); says which it still waits for every ``say_every_s``."""
     waiting = list(urls)
     said = False
+    started = time.monotonic()
+    say_at = started + say_every_s
     while waiting:
+        if time.monotonic() >= say_at:
+            log.warning("still waiting for vLLM at %s to answer /health (%.0f s)",
+                        ", ".join(waiting), time.monotonic() - started)
+            say_at += say_every_s
         for url in list(waiting):
             try:
-                async with inference_session(timeout=aiohttp.ClientTimeout(total=5)) as session, \
+                async with inference_session(
+                        timeout=aiohttp.ClientTimeout(total=health_timeout_s)) as session, \
                         session.get(url + "/health") as response:
                     if response.status == 200:
                         waiting.remove(url)
@@ -390,8 +409,10 @@ class PolicyServers:
         if self.config.vllm_supervised:
             # The supervisor starts the trainer while its servers start (the model loads
             # meanwhile) and stops the run if one does not come up.
-            await wait_until_answering(urls)
+            await wait_until_answering(
+                urls, health_timeout_s=self.config.vllm_health_timeout_s)
         self.sync = VLLMWeightSync(urls, self.run_dir / "weights",
+                                   timeout_s=self.config.sync_timeout_s,
                                    pause=self.config.sync_pause,
                                    stale_kv=self.config.sync_stale_kv)
         from trainer.vllm_busy import BusySampler
@@ -401,7 +422,9 @@ class PolicyServers:
             from trainer.vllm_transfer import ServerTransfer, transfer_backend
 
             backend = transfer_backend(self.config.transfer_backend)
-            self.transfers = {url: ServerTransfer(url, backend) for url in self.urls}
+            self.transfers = {url: ServerTransfer(url, backend,
+                                                  timeout_s=self.config.sync_timeout_s)
+                              for url in self.urls}
         elif self.method == "lora":
             self.lora = LoraSync(self.urls, self.run_dir / "adapters",
                                  await self._served_name(self.urls[0]), self.config.lora)
@@ -418,8 +441,8 @@ class PolicyServers:
     async def _catch_up(self) -> dict[str, Any]:
         for url in sorted(self.behind):
             try:
-                async with inference_session(
-                        timeout=aiohttp.ClientTimeout(total=5)) as session, \
+                async with inference_session(timeout=aiohttp.ClientTimeout(
+                        total=self.config.vllm_health_timeout_s)) as session, \
                         session.get(url + "/health") as response:
                     if response.status != 200:
                         continue
@@ -445,18 +468,29 @@ class PolicyServers:
         await self._save(model, tokenizer, version, weights)
         urls = [u for u in self.urls if u not in self.behind]
 
-        async def one(url: str) -> None:
-            if self.method == "transfer":
-                await self._transfer(model, tokenizer, version, weights, values, [url])
-            else:
-                await self.sync.reload(self.latest, [url])
+        took: dict[str, float] = {}
 
-        for url, result in zip(urls, await asyncio.gather(*(one(u) for u in urls),
-                                                          return_exceptions=True)):
+        async def one(url: str) -> None:
+            started = time.monotonic()
+            try:
+                if self.method == "transfer":
+                    await self._transfer(model, tokenizer, version, weights, values, [url])
+                else:
+                    await self.sync.reload(self.latest, [url])
+            finally:
+                took[url] = time.monotonic() - started
+
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        done = [took[u] for u, r in zip(urls, results) if not isinstance(r, BaseException)]
+        for url, result in zip(urls, results):
             if isinstance(result, SYNC_ERRORS):
                 log.warning("weight sync v%d to %s failed (%s): it gets the weights when it "
-                            "answers again", version, url, result)
+                            "answers again", version, url,
+                            sync_error_text(result, self.config.sync_timeout_s))
                 self.behind.add(url)
+                # the time beyond the servers that answered went on one that did not (it
+                # timed out, or its supervisor killed it for hanging)
+                unanswered(took[url] - max(done, default=0.0))
             elif isinstance(result, BaseException):
                 raise result
         values["vllm_behind"] = len(self.behind)
@@ -516,8 +550,8 @@ class PolicyServers:
             # A launched server that died (or is stuck paused) restarts with the new weights.
             if self.managed is None:
                 raise
-            log.error("weight sync v%d failed (%s): restarting %s", version, error,
-                      self.managed.url)
+            log.error("weight sync v%d failed (%s): restarting %s", version,
+                      sync_error_text(error, self.config.sync_timeout_s), self.managed.url)
             if self.method == "lora":
                 await self._restart(force=True)
                 self.model_name, _ = await self.lora.publish(model, version, weights)

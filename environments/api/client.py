@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 import random
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import orjson
@@ -21,6 +23,7 @@ from environments.settings import bearer_headers
 from environments.trajectory import ScoredGroup, TrajectoryError
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+log = logging.getLogger("lachesis.api.client")
 
 
 class APIRequestError(RuntimeError):
@@ -78,11 +81,22 @@ class RolloutAPIClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.timeout_s = timeout_s
+        """How long one attempt may take (a long poll: this on top of its wait)."""
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.gzip_min_bytes = gzip_min_bytes
         self._session: aiohttp.ClientSession | None = None
         self.no_batch_reason: str | None = None
         """Why the last :meth:`lease` found no batch, as the API said."""
+        self.no_batch_silent: list[dict[str, Any]] = []
+        """The processes the API had not heard from when the last :meth:`lease` found no
+        batch (``{"name", "kind", "silent_s", ...}``, as the API said)."""
+        self.unanswered_s = 0.0
+        """Seconds spent so far in attempts the API did not answer (a connection error,
+        a timeout, a 5xx) and in the backoff after them."""
+        self.on_unanswered: Callable[[float], None] | None = None
+        """Called with the seconds of each attempt the API did not answer (the trainer
+        counts them as ``time/hang_wait``)."""
 
     async def __aenter__(self) -> RolloutAPIClient:
         return self
@@ -102,8 +116,11 @@ class RolloutAPIClient:
         return self._session
 
     async def request(self, method: str, path: str, payload: Any = None,
-                      body: bytes | None = None) -> Any:
-        """Send one request (JSON ``payload`` or pre-encoded ``body``), with retries."""
+                      body: bytes | None = None, wait_s: float = 0.0) -> Any:
+        """Send one request (JSON ``payload`` or pre-encoded ``body``), with retries; each
+        attempt may take ``timeout_s``, plus ``wait_s`` for a long poll. An attempt the
+        API does not answer is logged (the API's address, the bound) and retried."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s + wait_s)
         headers = {}
         if payload is not None:
             body = orjson.dumps(payload)
@@ -114,24 +131,42 @@ class RolloutAPIClient:
                 headers["Content-Encoding"] = "gzip"
         last_error = "no attempt made"
         for attempt in range(self.retries + 1):
+            started = time.monotonic()
             if attempt:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            backed_off = time.monotonic()
             try:
                 async with self.session.request(method, self.url + path, data=body,
-                                                headers=headers) as response:
+                                                headers=headers, timeout=timeout) as response:
                     data = await response.read()
                     parsed = orjson.loads(data) if data else None
                     if response.status < 400:
+                        if attempt:  # the backoff before this attempt
+                            self._unanswered(backed_off - started)
                         return parsed
                     message = parsed.get("error", data.decode()) if isinstance(parsed, dict) else data.decode()
                     if response.status not in RETRY_STATUSES:
                         raise APIRequestError(response.status, message, parsed)
                     last_error = f"{response.status}: {message}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as error:
+            except asyncio.TimeoutError:
+                last_error = (f"TimeoutError: no answer within {timeout.total:g} s "
+                              f"(timeout_s {self.timeout_s:g} + wait {wait_s:g})")
+            except (aiohttp.ClientError, orjson.JSONDecodeError) as error:
                 last_error = f"{type(error).__name__}: {error}"
-        raise APIRequestError(None, f"{method} {path} failed after {self.retries + 1} "
-                                    f"attempts; last error: {last_error}")
+            self._unanswered(time.monotonic() - started)
+            if attempt < self.retries:
+                log.warning("rollout API at %s: %s %s unanswered (%s; attempt %d of %d); "
+                            "retrying", self.url, method, path, last_error, attempt + 1,
+                            self.retries + 1)
+        raise APIRequestError(None, f"{method} {path} to the rollout API at {self.url} "
+                                    f"failed after {self.retries + 1} attempts; last "
+                                    f"error: {last_error}")
+
+    def _unanswered(self, seconds: float) -> None:
+        self.unanswered_s += seconds
+        if self.on_unanswered is not None:
+            self.on_unanswered(seconds)
 
     # -- envs -------------------------------------------------------------------------------
     async def register_env(self, name: str, *, group_size: int, max_token_length: int,
@@ -164,7 +199,7 @@ class RolloutAPIClient:
                 ("null" if policy_version is None else str(policy_version))
             if self_queued_sequences is not None:
                 query += f"&self_queued_sequences={self_queued_sequences}"
-        return await self.request("GET", f"/status-env?{query}")
+        return await self.request("GET", f"/status-env?{query}", wait_s=wait_s)
 
     # -- trainer ----------------------------------------------------------------------------
     async def register_trainer(self, *, batch_size: int, max_token_len: int,
@@ -180,10 +215,13 @@ class RolloutAPIClient:
         long for the batch to be complete."""
         data = await self.request("POST", "/lease",
                                   {"batch_size": batch_size, "trainer_id": trainer_id,
-                                   **({"wait_s": wait_s} if wait_s else {})})
+                                   **({"wait_s": wait_s} if wait_s else {})},
+                                  wait_s=wait_s)
         if data["batch"] is None:
             self.no_batch_reason = data.get("reason")
+            self.no_batch_silent = data.get("silent") or []
             return None
+        self.no_batch_silent = []
         groups, rejected = [], []
         for body in data["batch"]:
             try:

@@ -541,8 +541,20 @@ class RolloutAPI:
             "trainer_registered": self.trainer is not None,
             "durable": not self.config.in_memory,
             "dead_letters": self.counters.get("dead_lettered_groups", 0),
+            "silent_envs": self.silent_envs(),
             "counters": dict(sorted(self.counters.items())),
         }
+
+    def silent_envs(self) -> list[dict[str, Any]]:
+        """Env servers the API has not heard from for more than ``ENV_SILENT_S`` (no push,
+        no poll; a live one polls every 0.5 s): connected, and not replaced by a later
+        registration under the same name (a restarted server's)."""
+        now, envs = time.time(), list(self.envs.values())
+        return [{"name": e.real_name, "kind": "env", "env_id": e.env_id,
+                 "silent_s": round(now - e.last_seen, 1)}
+                for e in envs if e.connected and now - e.last_seen > ENV_SILENT_S
+                and not any(o.desired_name == e.desired_name and o.env_id > e.env_id
+                            for o in envs)]
 
     def why_no_batch(self, batch_size: int) -> str:
         """Why ``/lease`` or ``/batch`` found no batch of ``batch_size`` sequences."""
@@ -741,7 +753,7 @@ async def handle_lease(request: web.Request) -> web.Response:
         leased = await api.lease_batch(batch_size, req.trainer_id)
     if leased is None:
         return batch_body(None, lease_id=None, step=api.step,
-                          reason=api.why_no_batch(batch_size))
+                          reason=api.why_no_batch(batch_size), silent=api.silent_envs())
     lease, bodies = leased
     return batch_body(bodies, lease_id=lease.lease_id, step=api.step,
                       expires_at=lease.expires_at, policy_version=api.policy_version)

@@ -131,6 +131,10 @@ class EnvConfig(BaseModel):
     api_token: str | None = Field(default_factory=run_token)
     """The run's token (env: LACHESIS_API_TOKEN), sent to the rollout API and to the
     inference servers (``inference: vllm``)."""
+    api_timeout_s: float = Field(default=30.0, gt=0)
+    """How long one request to the rollout API (a push, a status poll beyond its own
+    long-poll wait) may take before it counts as unanswered and is retried; after the
+    client's retries (about a minute) the group is spooled (``spool_path``)."""
     env_weight: float = Field(default=1.0, gt=0)
     min_batch_allocation: float | None = Field(default=None, ge=0, le=1)
     max_queued_groups: int | None = Field(default=None, ge=1)
@@ -154,6 +158,9 @@ class EnvConfig(BaseModel):
     openai_base_url: str | None = None
     openai_api_key: str | None = Field(default_factory=lambda: os.environ.get("OPENAI_API_KEY"))
     request_timeout_s: float = Field(default=300.0, gt=0)
+    """How long one generation request (a turn: up to ``max_tokens_per_turn`` tokens, with
+    the server's queue ahead of it) may take before it fails and is retried on another
+    server; health checks of the inference servers wait 5 s."""
     inference_outage_wait_s: float = Field(default=600.0, ge=0)
     """When no inference server is healthy (a vLLM being restarted), requests wait this
     long for one to come back before they fail (and fail their groups)."""

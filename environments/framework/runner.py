@@ -18,9 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from environments.api.client import APIRequestError, RolloutAPIClient
+from environments.heartbeat import from_environment
 from environments.framework.delivery import APIDelivery, JSONLDelivery, Mirrored
 
 log = logging.getLogger(__name__)
+HELD_WARNING_S = 120.0
+"""An env held back by ``max_queued_groups`` this long says so (and again as long after):
+the trainer it waits for may be the process that has stopped."""
 
 
 async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
@@ -35,10 +39,11 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
         workers = min(workers, n_groups)
     reserved = delivered = in_progress = delivering = 0
     held_since: float | None = None
+    said_at = 0.0
     done = asyncio.Event()
 
     async def worker() -> None:
-        nonlocal reserved, delivered, in_progress, delivering, held_since
+        nonlocal reserved, delivered, in_progress, delivering, held_since, said_at
         while not done.is_set():
             if n_groups is not None and reserved + in_progress >= n_groups:
                 await asyncio.sleep(0.05)  # enough groups under way; one may still fail
@@ -48,6 +53,14 @@ async def run_groups(env: Any, delivery: Any, n_groups: int | None, *,
             if limit is not None and \
                     (env.queued_groups or 0) + in_progress + delivering >= limit:
                 held_since = held_since or time.monotonic()
+                now = time.monotonic()
+                if now - held_since >= HELD_WARNING_S and now - said_at >= HELD_WARNING_S:
+                    said_at = now
+                    log.warning("%d of this env's groups queued in the rollout API at %s "
+                                "(max_queued_groups %d) for %.0f s: waiting for the trainer "
+                                "to lease them (policy version %s)", env.queued_groups or 0,
+                                env.config.api_url, limit, now - held_since,
+                                env.policy_version)
                 await _status_changes(env, 0.1)  # the trainer is behind: wait for it
                 continue
             if held_since is not None:  # (the wall time the limit held groups back)
@@ -198,9 +211,6 @@ async def process(env: Any, out: str | Path, n_groups: int) -> dict[str, Any]:
 
 async def serve(env: Any) -> dict[str, Any]:
     """Push groups to the rollout API until ``total_groups`` (or forever)."""
-    from environments.api.client import RolloutAPIClient
-    from environments.framework.delivery import JSONLDelivery
-
     from environments.framework.item_cursor import ItemCursor
 
     config = env.config
@@ -210,7 +220,23 @@ async def serve(env: Any) -> dict[str, Any]:
         if env.item_cursor.resumed:
             log.info("continuing the item order after %d items settled by an earlier start "
                      "(%s)", env.item_cursor.resumed, config.state_path)
-    async with RolloutAPIClient(config.api_url, config.api_token) as client:
+    # Under `lachesis run`: beats from this event loop, so a frozen env server, or one
+    # whose loop a synchronous call blocks, is noticed (environments/heartbeat.py).
+    heartbeat = from_environment("env")
+    beating = asyncio.create_task(heartbeat.beat_forever()) if heartbeat else None
+    try:
+        return await _serve(env, config, spool, heartbeat)
+    finally:
+        if beating is not None:
+            beating.cancel()
+            heartbeat.stop()
+
+
+async def _serve(env: Any, config: Any, spool: Path, heartbeat: Any) -> dict[str, Any]:
+    async with RolloutAPIClient(config.api_url, config.api_token,
+                                timeout_s=config.api_timeout_s) as client:
+        if heartbeat is not None:
+            heartbeat.doing(f"registering with the rollout API at {config.api_url}")
         registration = await register(env, client)
         env.env_id = registration["env_id"]
         log.info("registered with %s as env %s", config.api_url, env.env_id)
@@ -218,6 +244,8 @@ async def serve(env: Any) -> dict[str, Any]:
         copy = JSONLDelivery(config.jsonl_out) if config.jsonl_out else None
         await api.start()
         await poll_status(env, client)
+        if heartbeat is not None:
+            heartbeat.doing("rollouts")
         # lockstep waits on the version: polled more often where the API cannot long-poll
         poller = asyncio.create_task(follow_status(
             env, client, 0.1 if config.groups_per_policy_version else 0.5))

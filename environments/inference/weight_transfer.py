@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from environments.heartbeat import beat_in_forked_children, beat_in_thread
 from environments.inference.vllm_plugin import (  # noqa: F401  (this module's API too)
     BACKENDS,
     PLUGIN_GROUP,
@@ -53,7 +54,14 @@ from environments.inference.vllm_plugin import (  # noqa: F401  (this module's A
 
 def register() -> None:
     """vLLM plugin entry point: add the ``gloo`` and ``shm`` engines to vLLM's factories
-    (idempotent: vLLM may load plugins more than once per process)."""
+    (idempotent: vLLM may load plugins more than once per process). Under ``lachesis
+    run`` the process also beats (:mod:`environments.heartbeat`), and so does every
+    process forked from it (the engine core, which vLLM forks on a CPU after this ran):
+    a frozen engine core answers nothing while its API server still answers ``/health``."""
+    beat = beat_in_thread("vllm API server")
+    if beat is not None:
+        beat.doing("serving")
+    beat_in_forked_children("vllm engine core")
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,

@@ -158,6 +158,55 @@ class RaySettings(_Section):
     or one CPU on a cluster without GPUs). ``PACK``: as few nodes as possible."""
 
 
+class HangTimeouts(_Section):
+    """Seconds a process of each kind may go without answering (its health endpoint) or
+    beating (its heartbeat) before the supervisor names it, kills it (SIGKILL) and
+    restarts it like a dead one (docs/fault-tolerance.md). None: not checked. Before its
+    first answer after a (re)start a process has its start-up timeout instead
+    (``startup_timeout_s``, ``vllm.startup_timeout_s``, the env server's)."""
+
+    api: float | None = Field(default=60.0, gt=0)
+    """The rollout API: it answers ``/health`` from its event loop; its database writes
+    run in a thread, so only a frozen or blocked loop misses this."""
+    vllm: float | None = Field(default=300.0, gt=0)
+    """A vLLM replica, once up: its API server's ``/health`` and the heartbeats of its
+    API server and engine core (a weight reload of a big model keeps both going)."""
+    env: float | None = Field(default=60.0, gt=0)
+    """An env server: beats from its event loop (a tool call that blocks the loop this
+    long is a hang)."""
+    trainer: float | None = Field(default=600.0, gt=0)
+    """The trainer's ranks: each beats from a thread, through steps, syncs and
+    checkpoints; a call that holds Python's GIL that long (a checkpoint of a very big
+    model written by one call) would count as a hang."""
+    server: float | None = Field(default=60.0, gt=0)
+    """A server the run starts for an env (OpenEnv), and the Atropos bridge: their
+    health endpoints."""
+
+
+class LivenessSettings(_Section):
+    """How the supervisor tells a hung process from a busy one (lachesis/run/liveness.py)."""
+
+    check_every_s: float = Field(default=5.0, gt=0)
+    """How often every process is checked: a permanent freeze is named within its
+    ``hang_timeout_s`` plus this plus ``health_timeout_s`` (the health check that finds
+    it silent waits that long)."""
+    health_timeout_s: float = Field(default=5.0, gt=0)
+    """How long one health check may take (a miss alone is not a hang: the bound is
+    ``hang_timeout_s``)."""
+    heartbeat_period_s: float = Field(default=1.0, gt=0)
+    """How often the processes that beat write their heartbeat."""
+    hang_timeout_s: HangTimeouts = Field(default_factory=HangTimeouts)
+
+    @model_validator(mode="after")
+    def _beats_fit(self) -> LivenessSettings:
+        for kind, bound in self.hang_timeout_s.model_dump().items():
+            if bound is not None and bound <= 2 * self.heartbeat_period_s:
+                raise ValueError(f"hang_timeout_s.{kind} {bound:g} s is not more than two "
+                                 f"heartbeat periods ({self.heartbeat_period_s:g} s each): "
+                                 "every process would look hung")
+        return self
+
+
 class RunConfig(_Section):
     name: str
     """The run writes everything under ``runs_dir/name``."""
@@ -191,6 +240,8 @@ class RunConfig(_Section):
     """How often each process of the RL phase (the rollout API, an env server, a server
     the run starts for an env, the trainer) may be restarted after it dies before the run
     stops (vLLM replicas: ``vllm.max_restarts``). docs/fault-tolerance.md."""
+    liveness: LivenessSettings = Field(default_factory=LivenessSettings)
+    """How a process that is alive but answers nothing is found and restarted."""
     restart_backoff_s: float = Field(default=1.0, ge=0)
     """Wait before a restart: this, doubled with each restart of the same process
     (at most 30 s)."""

@@ -136,6 +136,18 @@ class ChildProcess:
 
         return None if self.proc is None else stop_process_group(self.proc, grace_s)
 
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group now (a hung or SIGSTOPped process acts on no
+        other signal); returns the exit code."""
+        from environments.inference.vllm_process import signal_process_group
+
+        if self.proc is None:
+            return None
+        signal_process_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        return self.proc.returncode
+
 
 def processes_of_run(run_id: str, variable: str = RUN_ID_VARIABLE) -> list[int]:
     """PIDs of live processes whose environment carries ``LACHESIS_RUN_ID=run_id`` (or

@@ -334,6 +334,10 @@ class RayChild:
         self._read()
         return self.code
 
+    def kill(self) -> int | None:
+        """SIGKILL its process group at once (a hung process: nothing to wait for)."""
+        return self.stop(grace_s=0.0)
+
 
 class RayPlacement(Placement):
     """Each place of the run is a :class:`ProcessRunner` actor on a node of the cluster,

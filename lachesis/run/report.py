@@ -72,7 +72,8 @@ def reward_curve(metrics_path: Path, out: Path, title: str) -> Path | None:
 
 _STEP_PARTS = [("batch_wait", "waiting for batches"), ("prepare", "advantages, packing"),
                ("train", "forward, backward, optimizer"), ("sync", "weight syncs"),
-               ("checkpoint", "checkpoints")]
+               ("checkpoint", "checkpoints"),
+               ("hang_wait", "waiting on a process that did not answer")]
 _ROLLOUT_PARTS = [("generation", "generation"), ("env", "env (tools, rewards)"),
                   ("queue_wait", "queue wait")]
 
@@ -91,35 +92,53 @@ def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def time_table(phases: dict[str, float], rows: list[dict[str, Any]]) -> str:
+def time_table(phases: dict[str, float], rows: list[dict[str, Any]],
+               training: dict[str, float] | None = None) -> str:
     """Markdown: "where the time went". ``phases``: seconds of each phase of the run, in
-    order (the RL phase is ``training``); ``rows``: the trainer's metrics, whose
-    ``time/*`` (trainer/timing.py) split the training phase, and whose
-    ``env/time/*`` (per rollout, means per batch) say what a rollout spent on what."""
+    order (the RL phase is ``training``), which add up to the run's wall time; ``rows``:
+    the trainer's metrics, whose ``time/*`` (trainer/timing.py) split the training phase,
+    and whose ``env/time/*`` (per rollout, means per batch) say what a rollout spent on
+    what. ``training``: ``{"started_at", "ended_at"}`` (wall clock) of this start's
+    training phase, so that steps logged by an earlier start of a resumed run are left
+    out, and ``trainer_hung_s``, the seconds the supervisor found the trainer hung (its
+    lost step is not in the metrics). The training phase's rows add up to it: the steps'
+    parts (``hang_wait``, the waits on a process that did not answer, among them, with
+    the trainer's own hangs), the rest of the steps, and what lay outside the steps
+    logged (the trainer's start, its restarts and the steps they lost, the supervisor
+    noticing its end)."""
+    training = training or {}
     total = sum(phases.values())
+
+    def row(label: str, seconds: float) -> str:
+        return (f"| {label} | {seconds:.1f} | {seconds / total:.0%} |" if total else
+                f"| {label} | {seconds:.1f} | - |")
+
     lines = ["**Where the time went**", "", "| where | seconds | share |", "|---|---:|---:|"]
     for name, seconds in phases.items():
-        lines.append(f"| {name} | {seconds:.1f} | {seconds / total:.0%} |" if total else
-                     f"| {name} | {seconds:.1f} | - |")
-        if name == "training" and any("time/step" in r for r in rows):
-            steps = [r for r in rows if "time/step" in r]
+        lines.append(row(name, seconds))
+        steps = [r for r in rows if "time/step" in r and (
+            "logged_at" not in r or "started_at" not in training
+            or training["started_at"] <= r["logged_at"] <= training["ended_at"])]
+        if name == "training" and steps:
             in_steps = sum(r["time/step"] for r in steps)
             # The trainer starts while vLLM does: what its first step waited for a batch
             # before the training phase began is in the phases before it.
             before = min(max(0.0, in_steps - seconds), steps[0].get("time/batch_wait", 0.0))
             in_steps -= before
+            hung = min(training.get("trainer_hung_s", 0.0), max(0.0, seconds - in_steps))
             counted = 0.0
             for part, label in _STEP_PARTS:
                 value = sum(r.get(f"time/{part}", 0.0) for r in steps)
                 if part == "batch_wait":
                     value -= before
+                if part == "hang_wait":
+                    value += hung
                 counted += value
-                lines.append(f"| &nbsp;&nbsp;{label} | {value:.1f} | "
-                             f"{value / total:.0%} |" if total else
-                             f"| &nbsp;&nbsp;{label} | {value:.1f} | - |")
-            other = in_steps - counted
-            lines.append(f"| &nbsp;&nbsp;rest of the {len(steps)} steps | {other:.1f} | "
-                         + (f"{other / total:.0%} |" if total else "- |"))
+                lines.append(row(f"&nbsp;&nbsp;{label}", value))
+            lines.append(row(f"&nbsp;&nbsp;rest of the {len(steps)} steps",
+                             in_steps - (counted - hung)))
+            lines.append(row("&nbsp;&nbsp;outside the steps (the trainer's start, restarts "
+                             "and the steps they lost)", seconds - in_steps - hung))
     lines.append(f"| **total** | {total:.1f} | |")
     rollout = [(label, [r[f"env/time/{part}"] for r in rows if f"env/time/{part}" in r])
                for part, label in _ROLLOUT_PARTS]
@@ -141,7 +160,8 @@ def write_summary(run_dir: Path, summary: dict[str, Any], metrics_path: Path) ->
         written["table"] = before_after_table(summary["before"], summary["after"])
         parts.append(written["table"])
     if summary.get("phases"):
-        written["time_table"] = time_table(summary["phases"], read_metrics(metrics_path))
+        written["time_table"] = time_table(summary["phases"], read_metrics(metrics_path),
+                                           summary.get("training"))
         parts.append(written["time_table"])
     png = reward_curve(metrics_path, run_dir / "reward_curve.png",
                        f"{run_dir.name}: rollout batches during RL")

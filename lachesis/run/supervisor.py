@@ -19,11 +19,17 @@ With ``--ray ADDRESS`` the same processes run on the nodes of a Ray cluster
 (:mod:`lachesis.run.ray_cluster`); the supervisor stays on the head, and each process's
 log and exit reach it as a local one's do.
 
-A process that dies stops the run: its log's tail is printed and the exit code is 1. A
-vLLM replica is the exception: it is restarted (from the newest weights the trainer wrote,
-``vllm.max_restarts`` times at most) while the run goes on; the env servers route around
-it meanwhile and the trainer loads the newest weights into it when it answers again.
-Ctrl-C (or SIGTERM) stops everything cleanly.
+A process of the RL phase that dies is restarted (``max_restarts`` times at most; a vLLM
+replica from the newest weights the trainer wrote, ``vllm.max_restarts`` times) while the
+run goes on; one that cannot be restarted stops the run: its log's tail is printed and
+the exit code is 1. A process that is alive but answers nothing (no health answer, no
+heartbeat for ``liveness.hang_timeout_s``: :mod:`lachesis.run.liveness`) is named, killed
+with SIGKILL and restarted the same way. Ctrl-C (or SIGTERM) stops everything cleanly.
+
+The supervisor cannot watch itself: a frozen supervisor restarts nothing until it runs
+again (its processes go on; the trainer finishes its steps). It beats into
+``runs/NAME/heartbeat/supervisor.json`` on every pass of its loop, for an outside
+watchdog (docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,6 +54,7 @@ from environments.inference.tokenizer import record_tokenizer_class
 from environments.settings import TOKEN_VARIABLE, bearer_headers, run_token
 from lachesis.run.config import RunConfig, write_yaml
 from lachesis.run.layout import (
+    url_answers,
     EnvServer,
     Layout,
     Placement,
@@ -55,6 +63,7 @@ from lachesis.run.layout import (
     lachesis_command,
     trainer_processes,
 )
+from lachesis.run.liveness import Hang, Liveness
 from lachesis.run.processes import (
     RUN_ID_VARIABLE,
     ChildProcess,
@@ -117,21 +126,34 @@ class Supervisor:
         self.resume_command: str | None = None
         """The command that continues the run, shown when it stops."""
         self.layout: Layout | None = None
+        self.liveness: Liveness | None = None
+        """The liveness checks (made once the placement is known)."""
+        self.hung: dict[str, Hang] = {}
+        """Processes killed because they hung, until they are restarted."""
+        self.lock = threading.RLock()
+        """Held while processes are (re)started and while the liveness checks look at
+        them and kill one, so a check never kills the new process of a restart."""
+        self.watching = threading.Event()
+        self.watcher: threading.Thread | None = None
 
     # -- processes -----------------------------------------------------------------------
     def start(self, name: str, command: list[str], *, env: dict[str, str] | None = None,
               stdout_path: Path | None = None, where: str | None = None) -> ChildProcess:
         """Start ``command`` (in place ``where`` of the placement, default ``name``'s)."""
         log_path = self.run_dir / "logs" / f"{name}.log"
-        env = {RUN_ID_VARIABLE: self.run_id, **(env or {}), TOKEN_VARIABLE: self.token}
-        if isinstance(self.placement, RayPlacement):
-            child = self.placement.child(name, where or name, command, log_path, env,
-                                         stdout_path).start()
-        else:
-            child = ChildProcess(name, command, log_path, env=env,
-                                 stdout_path=stdout_path).start()
+        env = {RUN_ID_VARIABLE: self.run_id, **(env or {}), TOKEN_VARIABLE: self.token,
+               **(self.liveness.environment(name) if self.liveness else {})}
+        with self.lock:
+            if self.liveness is not None:
+                self.liveness.started(name)
+            if isinstance(self.placement, RayPlacement):
+                child = self.placement.child(name, where or name, command, log_path, env,
+                                             stdout_path).start()
+            else:
+                child = ChildProcess(name, command, log_path, env=env,
+                                     stdout_path=stdout_path).start()
+            self.children.append(child)
         self.log_started(child)
-        self.children.append(child)
         return child
 
     def log_started(self, child: ChildProcess) -> None:
@@ -152,6 +174,7 @@ class Supervisor:
         :meth:`restart`); raise :class:`RunFailed` when one that cannot be restarted has.
         Where several have, one killed by a signal is named first: the others (e.g. the
         trainer's other ranks) most likely failed because of it."""
+        self.check_live()
         dead = []
         for child in self.children:
             code = child.returncode
@@ -168,7 +191,10 @@ class Supervisor:
             also = "".join(f"; {c.name} exited too (code {k})" for c, k in dead[1:])
             spent = (f" (restarted {self.restarts[child.name]} times already)"
                      if self.restarts.get(child.name) else "")
-            raise RunFailed(f"{child.name} exited with code {code}{spent}{also}; last lines "
+            hung = self.hung.get(child.name)
+            how = (f"{hung.text()}: killed it (SIGKILL)" if hung is not None
+                   else f"{child.name} exited with code {code}")
+            raise RunFailed(f"{how}{spent}{also}; last lines "
                             f"of {child.log_path}:\n{child.log_tail()}"
                             + (f"\nto continue the run from its last checkpoint: "
                                f"{self.resume_command}" if self.resume_command else ""))
@@ -188,8 +214,9 @@ class Supervisor:
         * a server the run started for an env (OpenEnv) on the same address."""
         group = [c for c in self.children if c.name in self.restart_groups.get(child.name,
                                                                                  {child.name})]
-        for member in group:
-            member.stop()  # what is left of its process group (the other ranks)
+        with self.lock:
+            for member in group:
+                member.stop()  # what is left of its process group (the other ranks)
         for backend in self.layout.backends if self.layout is not None else []:
             if backend.name == child.name and backend.container is not None:
                 # a docker CLI killed outright leaves its container: free the name and port
@@ -205,15 +232,113 @@ class Supervisor:
             if weights is not None:
                 at = child.command.index("--model") + 1
                 child.command = [*child.command[:at], str(weights), *child.command[at + 1:]]
-        self.say(f"{child.name} exited with code {code}: restarting it ({n} of {limit})"
+        hung = self.hung.pop(child.name, None)
+        how = (f"{hung.text()}: killed it (SIGKILL)" if hung is not None
+               else f"{child.name} exited with code {code}")
+        self.say(f"{how}: restarting it ({n} of {limit})"
                  + (f" on {weights or 'the starting model'}"
                     if child.name in self.replica_names else ""))
         log.warning("%s exited with code %s; last lines of %s:\n%s", child.name, code,
                     child.log_path, child.log_tail(10))
         time.sleep(min(30.0, self.config.restart_backoff_s * 2 ** (n - 1)))
+        with self.lock:
+            for member in group:
+                if self.liveness is not None:
+                    self.liveness.started(member.name)
+                member.start()
         for member in group:
-            member.start()
             self.log_started(member)
+
+    def check_live(self) -> None:
+        """The supervisor's own heartbeat; and the liveness checks, where no watcher
+        thread runs them (:meth:`start_watching`)."""
+        self.beat()
+        if self.watcher is None and self.liveness is not None and self.liveness.due():
+            self.find_hung()
+
+    def find_hung(self) -> None:
+        """Name and kill (SIGKILL, its whole process group) each watched process that is
+        hung; :meth:`check_alive` then restarts it like a dead one (or stops the run when
+        its restarts are spent)."""
+        with self.lock:
+            children = list(self.children)
+            running = {c.name for c in children if c.running}
+            for hang in self.liveness.check(lambda name: name in running):
+                self.say(f"{hang.text()}: killing it (SIGKILL)")
+                log.warning("hung: %s", hang)
+                self.hung[hang.name] = hang
+                for child in children:
+                    if child.name == hang.name and child.running:
+                        child.kill()
+
+    def start_watching(self) -> None:
+        """Run the liveness checks every ``liveness.check_every_s`` in a thread: on
+        time whatever the supervisor's loop waits for (a health check of a frozen
+        process waits ``liveness.health_timeout_s``), so a frozen process is named within
+        its ``hang_timeout_s`` plus a check period and a health check's wait."""
+        period = self.config.liveness.check_every_s
+
+        def watch() -> None:
+            next_at = time.monotonic() + period
+            while not self.watching.wait(max(0.0, next_at - time.monotonic())):
+                try:
+                    self.find_hung()
+                except Exception:  # noqa: BLE001 - a check that fails must not end them
+                    log.exception("liveness check failed")
+                next_at = max(next_at + period, time.monotonic())  # a fixed schedule
+
+        self.watcher = threading.Thread(target=watch, name="liveness", daemon=True)
+        self.watcher.start()
+
+    def stop_watching(self) -> None:
+        self.watching.set()
+        if self.watcher is not None:
+            self.watcher.join(timeout=30)
+
+    def beat(self) -> None:
+        """The supervisor's own heartbeat, for an outside watchdog (it cannot watch
+        itself): ``runs/NAME/heartbeat/supervisor.json``, rewritten every pass."""
+        now = time.monotonic()
+        if now - getattr(self, "_beaten", float("-inf")) < 1.0:
+            return
+        self._beaten = now
+        path = self.run_dir / "heartbeat" / "supervisor.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(".supervisor.json.tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "at": time.time(),
+                                       "run_id": self.run_id}))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def watch(self, layout: Layout) -> None:
+        """What the liveness checks watch: each process of the RL phase, by kind."""
+        config, live = self.config, self.liveness
+        live.watch(layout.api.name, "api", health_url=layout.api.url + "/health",
+                   startup_s=config.startup_timeout_s)
+        for replica in layout.replicas:
+            live.watch(replica.name, "vllm", health_url=replica.url + "/health", beats=True,
+                       startup_s=config.vllm.startup_timeout_s)
+        for backend, env in zip(layout.backends,
+                                [e for e in config.envs if e.server is not None]):
+            live.watch(backend.name, "server", health_url=backend.health_url,
+                       startup_s=env.server.startup_timeout_s, where=backend.where)
+        if layout.bridge is not None:
+            live.watch(layout.bridge.name, "server", health_url=layout.bridge.health_url,
+                       startup_s=config.startup_timeout_s)
+        for server in layout.envs:  # an atroposlib env runs its own loop: it does not beat
+            if server.kind == "lachesis":
+                live.watch(server.name, "env", beats=True, startup_s=config.startup_timeout_s)
+        for trainer in layout.trainers:
+            live.watch(trainer.name, "trainer", beats=True,
+                       startup_s=config.startup_timeout_s)
+
+    def answers(self, where: str | None, url: str, timeout_s: float) -> bool:
+        """Whether ``url`` answers, asked from place ``where`` (None: from here)."""
+        if where is not None and isinstance(self.placement, RayPlacement):
+            return self.placement.answers(where, url)
+        return url_answers(url, timeout_s)
 
     def pinned_weights(self, name: str) -> Path | None:
         """The newest synced weights, hard-linked into ``trainer/restart/NAME`` for replica
@@ -275,6 +400,7 @@ class Supervisor:
             self.children.remove(child)
 
     def stop_all(self) -> None:
+        self.stop_watching()  # a process being stopped is not a hung one
         for child in reversed(self.children):
             if child.running:
                 log.info("stopping %s", child.name)
@@ -398,6 +524,7 @@ class Supervisor:
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         config, run_dir = self.config, self.run_dir
+        lap = Lap()  # from here on, every second is in a phase: they add up to the wall time
         from lachesis.run.plan import make_plan
 
         # What --plan flags stops the run here (on a Ray cluster, Ray gives out the GPUs).
@@ -407,7 +534,6 @@ class Supervisor:
                             "whole layout)")
         run_dir.mkdir(parents=True, exist_ok=True)
         phases: dict[str, float] = {}  # where the time went (the summary's table)
-        lap = Lap()
         become_subreaper()
         (run_dir / "run_id").write_text(self.run_id + "\n")  # the LACHESIS_RUN_ID of its processes
         write_yaml(run_dir / "configs" / "run.yaml", config.model_dump(mode="json"))
@@ -417,6 +543,11 @@ class Supervisor:
         record_tokenizer_class(model)  # its env servers and evaluations start without torch
         phases["model (warm start)"] = lap()
         self.layout = layout = build_layout(config, model, self.placement)
+        local = not isinstance(self.placement, RayPlacement)
+        self.liveness = Liveness(config.liveness, run_dir / "heartbeat" if local else None,
+                                 self.answers)
+        self.watch(layout)
+        self.start_watching()
         if isinstance(self.placement, RayPlacement):
             for process in layout.processes:  # those that listen on nothing are placed now
                 self.placement.runner(process.where)
@@ -473,6 +604,7 @@ class Supervisor:
 
         train_dir = run_dir / "trainer"
         total_steps = int(config.train.get("steps", 100))
+        training_started = time.time()
         with RunProgress(config.name, total_steps, live=self.live) as progress:
             self.progress = progress
             for server in layout.envs:
@@ -509,6 +641,13 @@ class Supervisor:
                          "log says why); evaluating its last weights")
             self.progress = None
         phases["training"] = lap()
+        summary["training"] = {"started_at": training_started, "ended_at": time.time(),
+                               "trainer_hung_s": sum(
+                                   h.silent_s for h in self.liveness.hangs
+                                   if h.kind == "trainer" and h.at >= training_started)}
+        summary["hangs"] = [{"name": h.name, "kind": h.kind, "address": h.address,
+                             "silent_s": round(h.silent_s, 1), "bound_s": h.bound_s,
+                             "what": h.what} for h in self.liveness.hangs]
         accounting = _get_json(api_url + "/accounting", timeout=30, token=self.token)
         if accounting is not None:
             from lachesis.run.report import accounting_text
@@ -518,6 +657,7 @@ class Supervisor:
         for child in [c for c in self.children if c.name.startswith("env-")]:
             child.stop()  # no more rollouts: vLLM now serves the final weights
             self.children.remove(child)
+        phases["accounting, stopping the env servers"] = lap()
         if config.evaluate:
             summary["after"] = self.evaluate("after", evaluated)
             phases["evaluation after"] = lap()
@@ -529,6 +669,7 @@ class Supervisor:
                 summary["vllm_restarts"] = replicas
         from lachesis.run.report import write_summary
 
+        summary["wall_s"] = lap.since_start()  # what the phases add up to
         summary.update(write_summary(run_dir, summary, train_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary
@@ -538,7 +679,10 @@ class Lap:
     """Seconds since the previous call (or since it was made)."""
 
     def __init__(self) -> None:
-        self.last = time.monotonic()
+        self.last = self.first = time.monotonic()
+
+    def since_start(self) -> float:
+        return time.monotonic() - self.first
 
     def __call__(self) -> float:
         now = time.monotonic()

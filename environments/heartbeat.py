@@ -1,0 +1,151 @@
+"""Heartbeats: how a process of a ``lachesis run`` shows the supervisor it is not frozen.
+
+The supervisor sets ``LACHESIS_HEARTBEAT_DIR`` and ``LACHESIS_HEARTBEAT_NAME`` (the
+process's name in the run: ``trainer``, ``env-arithmetic_tool``, ``vllm``) for every
+process it starts; each process that beats writes ``DIR/NAME.PID.json`` about once a
+``LACHESIS_HEARTBEAT_PERIOD_S`` (default 1 s):
+
+    {"name": "trainer", "pid": 4242, "role": "trainer", "at": 1760000000.5,
+     "doing": "step 7: weight sync", "doing_since": 1760000000.1}
+
+``at`` is when it last beat (wall clock, read by the supervisor on the same machine);
+``doing`` is what its main loop said it was doing last, for the supervisor's message when
+the beats stop. A beat comes from a thread (:meth:`Heartbeat.start_thread`: the process
+is scheduled and its interpreter runs; a SIGSTOPped process, or one stuck in a C call
+that holds the GIL, stops beating) or from an asyncio task (:meth:`Heartbeat.beat_forever`:
+the event loop itself turns; a loop blocked by a synchronous call stops beating). A
+process forked from one that beats (vLLM's engine core) beats on its own with
+:func:`beat_in_forked_children`. Without ``LACHESIS_HEARTBEAT_DIR`` nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+DIR_VARIABLE = "LACHESIS_HEARTBEAT_DIR"
+NAME_VARIABLE = "LACHESIS_HEARTBEAT_NAME"
+PERIOD_VARIABLE = "LACHESIS_HEARTBEAT_PERIOD_S"
+
+
+class Heartbeat:
+    """Beats into ``directory/name.PID.json``."""
+
+    def __init__(self, directory: Path, name: str, role: str, period_s: float = 1.0):
+        self.directory = Path(directory)
+        self.name = name
+        self.role = role
+        self.period_s = period_s
+        self.pid = os.getpid()
+        self.path = self.directory / f"{name}.{self.pid}.json"
+        self.doing_text = "starting"
+        self.doing_since = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def doing(self, text: str) -> None:
+        """What the main loop does now (shown when the beats stop)."""
+        if text != self.doing_text:
+            self.doing_text, self.doing_since = text, time.time()
+
+    def beat(self) -> None:
+        """Write the beat now (atomically: the supervisor may be reading it)."""
+        record = {"name": self.name, "pid": self.pid, "role": self.role, "at": time.time(),
+                  "doing": self.doing_text, "doing_since": self.doing_since}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a full disk must not kill the process; the supervisor sees no beat
+
+    def start_thread(self) -> Heartbeat:
+        """Beat from a daemon thread every ``period_s`` until :meth:`stop`."""
+        self.beat()
+
+        def run() -> None:
+            while not self._stop.wait(self.period_s):
+                self.beat()
+
+        self._thread = threading.Thread(target=run, name="lachesis-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    async def beat_forever(self) -> None:
+        """Beat from the event loop every ``period_s`` (run it as a task)."""
+        while not self._stop.is_set():
+            self.beat()
+            await asyncio.sleep(self.period_s)
+
+    def stop(self) -> None:
+        """Stop beating and remove the file (a process that ends is not a hung one)."""
+        self._stop.set()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+
+def from_environment(role: str) -> Heartbeat | None:
+    """This process's heartbeat as the supervisor asked for it (None: not asked)."""
+    directory = os.environ.get(DIR_VARIABLE)
+    if not directory:
+        return None
+    name = os.environ.get(NAME_VARIABLE) or role
+    try:
+        period = float(os.environ.get(PERIOD_VARIABLE) or 1.0)
+    except ValueError:
+        period = 1.0
+    return Heartbeat(Path(directory), name, role, max(0.05, period))
+
+
+_THREAD_BEATS: dict[int, Heartbeat] = {}
+
+
+def beat_in_thread(role: str) -> Heartbeat | None:
+    """Start this process's thread heartbeat once (per process: vLLM loads its plugins
+    more than once); None when the supervisor did not ask for one."""
+    pid = os.getpid()
+    if pid not in _THREAD_BEATS:
+        heartbeat = from_environment(role)
+        if heartbeat is None:
+            return None
+        _THREAD_BEATS[pid] = heartbeat.start_thread()
+    return _THREAD_BEATS[pid]
+
+
+def doing(text: str) -> None:
+    """Tell this process's thread heartbeat what the main loop does now (nothing when it
+    has none)."""
+    heartbeat = _THREAD_BEATS.get(os.getpid())
+    if heartbeat is not None:
+        heartbeat.doing(text)
+
+
+def stop_thread_beat() -> None:
+    """Stop this process's thread heartbeat (it ends: not a hung process)."""
+    heartbeat = _THREAD_BEATS.pop(os.getpid(), None)
+    if heartbeat is not None:
+        heartbeat.stop()
+
+
+_FORK_HOOKED: list[str] = []
+
+
+def beat_in_forked_children(role: str) -> None:
+    """Every process forked from this one (and from those) beats on its own, as ``role``
+    (a thread does not survive a fork; the parent's beat is not the child's)."""
+    if _FORK_HOOKED or not os.environ.get(DIR_VARIABLE):
+        return
+    _FORK_HOOKED.append(role)
+    def child() -> None:
+        beat = beat_in_thread(role)
+        if beat is not None:
+            beat.doing("serving")
+
+    os.register_at_fork(after_in_child=child)

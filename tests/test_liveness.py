@@ -1,0 +1,126 @@
+"""Liveness without vLLM: the supervisor's own checks against small real processes. A
+process that beats (as an env server does) and one that answers a health endpoint (as
+the rollout API does) are SIGSTOPped; the supervisor names each within its
+``hang_timeout_s`` plus a check period and a health check's wait, kills it with SIGKILL
+and restarts it through
+the path a dead process takes, and once the restarts are spent the run stops saying
+what hung. About 6 s wall, 2 s CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port
+
+from environments.heartbeat import Heartbeat
+from lachesis.run.config import RunConfig
+from lachesis.run.liveness import Liveness, read_beats
+from lachesis.run.supervisor import RunFailed, Supervisor
+
+BEATING = ("import asyncio, sys; sys.path.insert(0, %r)\n"
+           "from environments.heartbeat import from_environment\n"
+           "hb = from_environment('env'); hb.doing('rollouts')\n"
+           "asyncio.run(hb.beat_forever())\n" % str(REPO))
+
+
+def supervisor(tmp_path: Path) -> Supervisor:
+    config = RunConfig.model_validate({
+        "name": "live", "runs_dir": str(tmp_path), "model": "unused",
+        "envs": [{"name": "arithmetic_tool"}], "restart_backoff_s": 0.0,
+        "liveness": {"check_every_s": 0.2, "heartbeat_period_s": 0.2,
+                     "health_timeout_s": 0.5, "hang_timeout_s": {"env": 1.0, "api": 1.5}}})
+    sup = Supervisor(config, live=False)
+    sup.run_dir.mkdir(parents=True)
+    sup.liveness = Liveness(config.liveness, sup.run_dir / "heartbeat", sup.answers)
+    sup.start_watching()  # as the run does: the checks in their thread
+    return sup
+
+
+def pid_of(sup: Supervisor, name: str) -> int:
+    """The pid of the command under the guard (the process a user's SIGSTOP hits)."""
+    guard = next(c for c in sup.children if c.name == name).proc.pid
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == guard:
+                    return int(entry.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no child under {name}'s guard")
+
+
+def watch_until(sup: Supervisor, done, timeout_s: float) -> float:
+    started = time.monotonic()
+    while not done():
+        assert time.monotonic() - started < timeout_s, "not noticed in time"
+        sup.check_alive()
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_a_frozen_process_is_named_killed_and_restarted_like_a_dead_one(tmp_path, capsys):
+    sup = supervisor(tmp_path)
+    port = free_port()
+    sup.liveness.watch("env-x", "env", beats=True, startup_s=20)
+    sup.liveness.watch("api", "api", health_url=f"http://127.0.0.1:{port}/",
+                       startup_s=20)
+    sup.restartable = {"env-x": 1, "api": 1}
+    sup.start("env-x", [sys.executable, "-c", BEATING])
+    sup.start("api", [sys.executable, "-m", "http.server", str(port), "--bind",
+                      "127.0.0.1", "--directory", str(tmp_path)])
+    beats = sup.run_dir / "heartbeat"
+    try:
+        # both come up (the env beats, the API answers); nothing is taken for a hang
+        watch_until(sup, lambda: read_beats(beats, "env-x")
+                    and sup.answers(None, f"http://127.0.0.1:{port}/", 1.0), 20)
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # busy but alive: three bounds pass, no restart
+            sup.check_alive()
+            time.sleep(0.05)
+        assert sup.restarts == {}
+
+        for name, bound, what in (
+                ("env-x", 1.0, "has sent no heartbeat (last: env rollouts, for "),
+                ("api", 1.5, f"has not answered GET http://127.0.0.1:{port}/ for ")):
+            os.kill(pid_of(sup, name), signal.SIGSTOP)  # alive, answering nothing
+            took = watch_until(sup, lambda n=name: sup.restarts.get(n) == 1, 15)
+            # named within hang_timeout_s + a check period + a health check's wait
+            assert took < bound + 0.2 + 0.5 + 1.5, (name, took)
+            out = capsys.readouterr().out
+            assert f"{name} (" in out and "killed it (SIGKILL): restarting it (1 of 1)" \
+                in out, out
+            assert what in out and "more than liveness.hang_timeout_s." in out, out
+        # the restarted ones are alive again: the env beats from its new pid
+        watch_until(sup, lambda: read_beats(beats, "env-x"), 20)
+
+        os.kill(pid_of(sup, "env-x"), signal.SIGSTOP)  # again: its one restart is spent
+        with pytest.raises(RunFailed, match=r"env-x \(env, this machine, pid \d+\) has sent "
+                           r"no heartbeat .* killed it \(SIGKILL\) \(restarted 1 times "
+                           r"already\)"):
+            watch_until(sup, lambda: False, 15)
+    finally:
+        sup.stop_all()
+
+
+def test_a_heartbeat_names_what_the_process_was_doing_and_goes_when_it_ends(tmp_path):
+    heartbeat = Heartbeat(tmp_path, "trainer", "trainer", period_s=0.05).start_thread()
+    heartbeat.doing("step 3: checkpoint")
+    time.sleep(0.15)
+    [beat] = read_beats(tmp_path, "trainer")
+    assert beat["doing"] == "step 3: checkpoint" and beat["pid"] == os.getpid()
+    assert time.time() - beat["at"] < 1.0
+    heartbeat.stop()
+    assert read_beats(tmp_path, "trainer") == []
+    # a file left by a process that died is no hang: it is removed
+    (tmp_path / "trainer.999999999.json").write_text('{"pid": 999999999, "at": 0}')
+    assert read_beats(tmp_path, "trainer") == []
+    assert not (tmp_path / "trainer.999999999.json").exists()
