@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from environments.adapters.gym_env import (
     TextWorldGame,
     clean_textworld_feedback,
     network_blocked,
+    textworld_command,
 )
 from environments.framework.registry import EnvNotFoundError
 from environments.inference.chat_template import ChatRenderer
@@ -296,6 +298,18 @@ def test_textworld_feedback_is_cleaned_of_the_interpreters_decorations(cooking_g
     _, _, terminated, truncated, _ = game.step("look")
     assert (terminated, truncated) == (False, True)  # the step budget
     game.close()
+    # a random model's replies: the game gets a command it can read, never frotz's own
+    # hotkeys (a backslash: frotz then waits for keys, and the env server hangs)
+    assert textworld_command("\n é\\help\x1b  me\nlook") == "help me"
+    assert textworld_command("take egg from fridge") == "take egg from fridge"
+    replies = ["\\help", "\\x", "\x01\x7f😀 \n", "take egg from fridge\n\\q", "a" * 5000]
+    stepped = subprocess.run(
+        [sys.executable, "-c", "import sys; from environments.adapters.gym_env import "
+         "TextWorldGame; game = TextWorldGame(sys.argv[1]); game.reset(); "
+         "print([game.step(reply)[0][:30] for reply in sys.argv[2:]])", path, *replies],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert stepped.returncode == 0, stepped.stderr[-2000:]
+    assert "look:" in stepped.stdout  # TextWorld's own help for "help"
     assert clean_textworld_feedback("\nYou eat it.\n\n\n\n*** The End ***\n\nWould you like to "
                                     "RESTART, RESTORE?\n>  -= Kitchen =-3/4") == \
         "You eat it.\n\n*** The End ***"
@@ -346,10 +360,11 @@ def test_gym_envs_through_vllm_keep_the_exact_sampled_tokens(vllm_server, cookin
              ["--max-turns", "3", "--max-tokens-per-turn", "24", "--group-size", "3",
               "--max-token-length", "4000", "--sampling-extra", json.dumps(
                   {"logit_bias": {str(end_of_turn): 6}})])]:
-        done = subprocess.run(
-            [sys.executable, "-m", "lachesis.cli", "env", "process", name, "--out", str(out),
-             "--groups", "2", *base, *settings],
-            cwd=REPO, capture_output=True, text=True, timeout=300)
+        command = [sys.executable, "-m", "lachesis.cli", "env", "process", name, "--out",
+                   str(out), "--groups", "2", *base, *settings]
+        environ = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # (a crash says where)
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env=environ)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads(done.stdout)
         assert summary["groups_sent"] == 2 and summary["groups_failed"] == 0, summary

@@ -24,6 +24,7 @@ from test_trainer import LetterEEnv, hf_logprobs
 from transformers import AutoModelForCausalLM
 
 from environments import EnvConfig
+from environments.inference.vllm_client import FORCED_EXTRA_ARG
 from environments.jsonl_store import read_groups
 from trainer.versions import token_versions
 from trainer.vllm_busy import BusySampler
@@ -31,6 +32,7 @@ from trainer.vllm_sync import VLLMWeightSync
 from vllm_fixture import reload_original
 
 LONG = 1000
+FORCED = [10 + (7 * i) % 200 for i in range(400)]  # a forced turn's ids
 """Tokens of the long turn: several seconds of generation on the tiny model here."""
 
 
@@ -90,6 +92,11 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
             async with aiohttp.ClientSession() as session:
                 before = await generated_tokens(session)
                 rollouts = asyncio.ensure_future(env.process(out, 1))
+                # (abort: a forced turn in flight too, continued with the ids still to give)
+                forced = asyncio.ensure_future(env._pool.complete(
+                    [5, 6, 7], max_tokens=len(FORCED), sampling={
+                        "ignore_eos": True, "extra_args": {FORCED_EXTRA_ARG: FORCED}})) \
+                    if pause == "abort" else None
                 # both turns are well under way (a few hundred tokens between them)
                 deadline = time.monotonic() + 120
                 while await generated_tokens(session) - before < 300:
@@ -101,6 +108,8 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
             synced_at = time.monotonic()
             await rollouts
             after = time.monotonic() - synced_at
+            if forced is not None:
+                assert (await forced).token_ids == FORCED
             generating = busy.take()  # vLLM's busy share while the rollouts ran
             await asyncio.sleep(1.0)
             idle = busy.take()
@@ -118,7 +127,8 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
         asyncio.run(reload_original(vllm_server))
     # the sync did not wait for the generations: they went on for a while after it
     assert generated_after > 3 * seconds, (seconds, generated_after)
-    assert continued == {"keep": 0, "keep-stale": 0, "abort": 2}[pause]  # each aborted once
+    # each aborted once (abort: the forced request too)
+    assert continued == {"keep": 0, "keep-stale": 0, "abort": 3}[pause]
 
     group = next(iter(read_groups(out)))
     for t in group.trajectories:

@@ -33,6 +33,12 @@ The estimators
 ``gigpo``       GiGPO (arXiv 2505.10978): group-normalised episode return plus a step
                 advantage among turns that start from the same anchor state
                 (see :func:`gigpo`); needs only outcome rewards.
+``mt_grpo_unbiased``, ``turn_rtg_unbiased``, ``gigpo_unbiased``
+                the same credit rules with baselines that do not depend on the
+                trajectory's own actions (every member in every turn column; the others'
+                mean), so that with centred advantages the expected update is exactly
+                ``(G-1)/G`` times the rule's target even when the policy decides when to
+                stop (docs/credit-bias.md, ``experiments/termination_bias.py``).
 """
 
 from __future__ import annotations
@@ -274,11 +280,54 @@ def mt_grpo(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 
     return out
 
 
+def mt_grpo_unbiased(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
+                     eps: float = EPS, ddof: int = DDOF, scale: bool = True,
+                     **_: Any) -> list[np.ndarray]:
+    """MT-GRPO with a turn baseline that does not depend on when the trajectory stops
+    (docs/credit-bias.md): the same credit rule, unbiased for it when the policy decides
+    how many turns to take.
+
+    For trajectory ``i`` with ``K_i`` turns, over all ``G`` members of the group::
+
+        u_{i,k}   = r_{i,k} for k < K_i - 1 (a turn another turn follows), else 0
+                    (the stopping turn, whose score is the outcome, and every index after it)
+        A^O_i     = z_group(outcome)_i
+        A^T_{i,k} = z over all G members of u_{., k}      (one column per turn index)
+        A_{i,k}   = A^O_i + lambda * A^T_{i,k}    on the tokens of every turn k < K_i
+
+    What changes against :func:`mt_grpo`. MT-GRPO's turn-``k`` column holds only the
+    members for which turn ``k`` is followed by another, so whether member ``i`` is in it
+    -- and so the baseline subtracted from its turn reward -- is decided by ``a_{i,k}``
+    itself (continue or stop): an action-dependent baseline, and the mean reward of
+    continuing is erased (verl RFC #7244). Here every member is in every column, with an
+    intermediate reward of 0 where it stopped, so the baseline's only dependence on member
+    ``i`` is its own ``1/G`` share, the same for every turn as in GRPO. With centred
+    advantages (``scale=False``) the expected update is exactly ``(G-1)/G`` times
+    ``E[sum_k (outcome + lambda u_k) grad log pi(a_k | h_k)]``, MT-GRPO's credit rule:
+    the outcome on every turn and each intermediate reward on the turn that earned it
+    (``experiments/termination_bias.py`` enumerates it). The stopping turn now gets
+    ``A^O_i - lambda * mean(u_{., k})`` (up to the scale): stopping forgoes what
+    continuing earns on average. There is no single-turn (merged) fallback, and
+    ``reached_tool_result`` is not read: a trajectory with one turn is a member that
+    stopped at turn 0. When every member takes the same number of turns this is exactly
+    :func:`mt_grpo` (the last column is all 0); a scalar-scored trajectory has no
+    intermediate rewards (all ``u = 0``).
+    """
+    outcome_adv = group_zscore([t.outcome for t in trajs], eps, ddof, scale)
+    values, _ = _padded([np.append(t.turn_rewards[:-1], 0.0) for t in trajs])
+    turn_adv = np.zeros_like(values)
+    for k in range(values.shape[1]):
+        turn_adv[:, k] = group_zscore(values[:, k], eps, ddof, scale)
+    return [_fill_turns(t, outcome_adv[i] + turn_advantage_coef * turn_adv[i, :t.n_turns])
+            for i, t in enumerate(trajs)]
+
+
 def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
              gamma: float = 1.0, eps: float = EPS, ddof: int = DDOF,
              scale: bool = True, **_: Any) -> list[np.ndarray]:
-    """Turn-level return-to-go with a state baseline: unbiased when the policy picks the
-    number of turns.
+    """Turn-level return-to-go with a state baseline: free of the per-index length bias
+    when the policy picks the number of turns, up to its self-share (below;
+    :func:`turn_rtg_unbiased` removes that too).
 
     Rewards: ``r_{i,k}`` for the ``K_i`` turns of trajectory ``i`` (turn scores; a
     scalar-scored trajectory is ``[0, ..., 0, score]``), intermediate ones (``k < K_i-1``)
@@ -312,9 +361,15 @@ def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float =
     only thing subtracted at turn ``k`` is ``b_k``, one term, determined by the fact that
     the trajectory *has reached* turn ``k`` -- part of the history ``h_k``, fixed before
     ``a_k`` is chosen -- never by how many turns it takes afterwards. So
-    ``E[grad log pi(a_k | h_k) b_k] = 0`` (up to the member's own share ``1/n_k`` of the
-    mean, the same self-inclusion GRPO has), and the gradient favours a longer or shorter
-    trajectory exactly as much as its rewards do, no more. When taking more turns does
+    ``E[grad log pi(a_k | h_k) b_k] = 0`` up to the member's own share ``1/n_k`` of the
+    mean, ``n_k`` the number of members that reached turn ``k``. Unlike GRPO's ``1/G``
+    that share is not one constant: turn ``k``'s expected update is scaled by
+    ``E[1 - 1/n_k]``, which shrinks with ``k`` when members stop at different turns, so
+    the later turns (and the decisions to go on) are under-weighted: in the enumerated
+    MDP of docs/credit-bias.md a bias towards stopping, +0.038 of ``|grad J|`` on the stop
+    logits at ``G = 4``, shrinking with ``G`` (:func:`turn_rtg_unbiased` takes the
+    others' mean instead). Otherwise the gradient favours a longer or shorter trajectory
+    as much as its rewards do. When taking more turns does
     not change what a trajectory earns (uninformative turn rewards), the advantages carry
     no length preference: e.g. if every member's return ``G_{i,0}`` is equal, every
     turn-0 advantage is 0 whatever the turn counts, and if the extra turns' rewards are
@@ -339,6 +394,62 @@ def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float =
         column = values[rows, k]
         if not _all_equal(column):
             centred[rows, k] = column - column.mean()
+    dof = int(present.sum()) - ddof * values.shape[1]
+    if not scale:
+        scaled = centred
+    elif dof <= 0 or not centred.any():
+        scaled = np.zeros_like(centred)
+    else:
+        scaled = centred / (math.sqrt(float((centred ** 2).sum()) / dof) + eps)
+    return [_fill_turns(traj, scaled[i, :traj.n_turns]) for i, traj in enumerate(trajs)]
+
+
+def turn_rtg_unbiased(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
+                      gamma: float = 1.0, eps: float = EPS, ddof: int = DDOF,
+                      scale: bool = True, **_: Any) -> list[np.ndarray]:
+    """:func:`turn_rtg` with a leave-one-out baseline: unbiased when the policy decides how
+    many turns to take (docs/credit-bias.md).
+
+    Same returns-to-go ``G_{i,k}`` (turn rewards, intermediate ones times ``lambda``,
+    discount ``gamma``); with ``G`` the group's size::
+
+        m_{-i,k} = mean of G_{j,k} over the other members j != i with K_j > k
+                   (0 when no other member reached turn k)
+        c_{i,k}  = (1 - 1/G) * (G_{i,k} - m_{-i,k})
+        A_{i,k}  = c_{i,k} / (s + eps),  s = sqrt( sum_{i,k} c_{i,k}^2 / (N - ddof * K_max) )
+
+    (``scale=False``: ``A = c``). Why. :func:`turn_rtg` subtracts the mean over the
+    ``n_k`` members that reached turn ``k``, member ``i`` included: its own share ``1/n_k``
+    scales turn ``k``'s expected update by ``E[1 - 1/n_k]``, and ``n_k`` shrinks with
+    ``k`` when trajectories stop at different turns, so later turns -- and the decisions
+    to go on -- are under-weighted (an index reached by one member gets 0); with a fixed
+    horizon ``n_k = G`` everywhere and this is only GRPO's ``(G-1)/G``. Here the baseline
+    is the others' alone (a function of the other members, independent of member ``i``'s
+    actions), and the factor is ``1 - 1/G`` at every index, so with centred advantages the
+    expected update is exactly ``(G-1)/G`` times ``E[sum_k G_k grad log pi(a_k | h_k)]``,
+    the policy gradient of ``E[sum_k gamma^k r_k]`` (at ``gamma = 1``: ``E[sum of turn
+    rewards]``). Where ``n_k = G`` this equals :func:`turn_rtg`'s centred value; a member
+    alone at an index gets ``(1 - 1/G) G_{i,k}`` (no baseline is available that does not
+    depend on it), so the variance is higher where few members go on.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    returns = []
+    for traj in trajs:
+        rewards = traj.turn_rewards.copy()
+        rewards[:-1] *= turn_advantage_coef
+        returns.append(discounted_returns(rewards, gamma))
+    values, present = _padded(returns)
+    size = len(trajs)
+    centred = np.zeros_like(values)
+    for k in range(values.shape[1]):
+        rows = present[:, k]
+        column, n = values[rows, k], int(rows.sum())
+        if n == 1:
+            centred[rows, k] = (1.0 - 1.0 / size) * column
+        elif not _all_equal(column):
+            others = (column.sum() - column) / (n - 1)
+            centred[rows, k] = (1.0 - 1.0 / size) * (column - others)
     dof = int(present.sum()) - ddof * values.shape[1]
     if not scale:
         scaled = centred
@@ -396,6 +507,62 @@ def gigpo(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.
             for i, t in enumerate(trajs)]
 
 
+def gigpo_unbiased(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float = 1.0,
+                   gamma: float = 1.0, eps: float = EPS, ddof: int = DDOF, scale: bool = True,
+                   **_: Any) -> list[np.ndarray]:
+    """:func:`gigpo` with a step baseline taken from the other trajectories only: unbiased
+    when states repeat within a trajectory and when the policy decides when to stop
+    (docs/credit-bias.md).
+
+    ``A^E`` and ``R_{i,k}`` as in :func:`gigpo`; with ``G`` the group's size::
+
+        b_{-i}(s)  = mean of R_{j,l} over the turns (j, l) of the *other* trajectories
+                     j != i with anchor s_{j,l} = s      (0 when there is none)
+        c_{i,k}    = (1 - 1/G) * (R_{i,k} - b_{-i}(s_{i,k}))
+        A_{i,k}    = A^E_i + omega * c_{i,k} / (s_S + eps)
+        s_S        = sqrt( sum c_{i,k}^2 / (N - ddof * n_anchors) )   (pooled over the
+                     anchored turns, N of them in n_anchors anchor groups)
+
+    (``scale=False``: ``A = A^E + omega * c``). Why. GiGPO's anchor group of a turn
+    includes the turn itself and the same trajectory's other turns from that state (a
+    state visited twice); whether those exist and what they return is decided by the
+    turn's own action, so its baseline is action-dependent, and the self-share ``1/n``
+    varies with the anchor group's size ``n``, reweighting states. Here the baseline is a
+    function of the other trajectories alone and the factor is ``1 - 1/G`` everywhere, so
+    with centred advantages the step part's expected update is exactly ``(G-1)/G`` times
+    ``E[sum_k R_k grad log pi(a_k | h_k)]`` (at ``gamma = 1`` the policy gradient of
+    ``E[sum r]``), like the episode part. Where an anchor group holds one turn of each of
+    the ``G`` members (every member's first turn) the centred value equals GiGPO's; a turn
+    whose state no other trajectory visited gets ``(1 - 1/G) R_{i,k}`` where GiGPO gives
+    0. The z-score is one pooled scale over the group's anchored turns, not one per anchor
+    group (an anchor group of one trajectory has no spread of its own). Trajectories
+    without anchors get the episode advantage only, as in GiGPO.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    size = len(trajs)
+    episode = group_zscore([float(t.turn_rewards.sum()) for t in trajs], eps, ddof, scale)
+    returns = [discounted_returns(t.turn_rewards, gamma) for t in trajs]
+    members: dict[str, list[tuple[int, int]]] = {}
+    for i, traj in enumerate(trajs):
+        for k, key in enumerate(traj.turn_anchors or []):
+            members.setdefault(key, []).append((i, k))
+    step = [np.zeros(t.n_turns) for t in trajs]
+    for turns in members.values():
+        for i, k in turns:
+            others = [returns[j][l] for j, l in turns if j != i]
+            baseline = math.fsum(others) / len(others) if others else 0.0
+            step[i][k] = (1.0 - 1.0 / size) * (returns[i][k] - baseline)
+    if scale:
+        n_turns = sum(len(turns) for turns in members.values())
+        dof = n_turns - ddof * len(members)
+        total = math.fsum(float((s ** 2).sum()) for s in step)
+        spread = math.sqrt(total / dof) if dof > 0 and total > 0 else 0.0
+        step = [s / (spread + eps) if spread > 0 else np.zeros_like(s) for s in step]
+    return [_fill_turns(t, episode[i] + turn_advantage_coef * step[i])
+            for i, t in enumerate(trajs)]
+
+
 Estimator = Callable[..., list[np.ndarray]]
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -403,6 +570,9 @@ ESTIMATORS: dict[str, Estimator] = {
     "grpo_merged": grpo_merged,
     "mt_grpo": mt_grpo,
     "turn_rtg": turn_rtg,
+    "mt_grpo_unbiased": mt_grpo_unbiased,
+    "turn_rtg_unbiased": turn_rtg_unbiased,
+    "gigpo_unbiased": gigpo_unbiased,
     "gigpo": gigpo,
 }
 """Estimator name -> function ``(trajs, *, turn_advantage_coef, gamma, eps, ddof, scale)``."""

@@ -74,9 +74,13 @@ class TrainConfig(BaseModel):
     the trainer acknowledges it and takes the next. After this many such batches in a
     row it stops with a non-zero exit, saying how many groups were set aside and why."""
     # advantages
-    estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg", "gigpo"] = "mt_grpo"
+    estimator: Literal["grpo", "grpo_merged", "mt_grpo", "turn_rtg", "gigpo",
+                       "mt_grpo_unbiased", "turn_rtg_unbiased", "gigpo_unbiased"] = "mt_grpo"
     """Advantage estimator (``trainer.advantages``; docs/training.md). ``gigpo`` needs no
-    turn scores: it compares turns that start from the same state (``turn_anchors``)."""
+    turn scores: it compares turns that start from the same state (``turn_anchors``). The
+    ``*_unbiased`` variants take baselines that do not depend on the trajectory's own
+    actions, so they stay unbiased when the policy decides when to stop
+    (docs/credit-bias.md)."""
     turn_advantage_coef: float = 1.0
     """MT-GRPO's lambda, turn_rtg's weight on intermediate rewards, GiGPO's omega."""
     gamma: float = Field(default=1.0, ge=0, le=1)

@@ -25,7 +25,7 @@ from typing import Any
 
 from environments.inference.chat_template import ChatRenderer
 from environments.inference.tool_parsers import get_parser
-from environments.inference.vllm_client import VLLMServerPool
+from environments.inference.vllm_client import FORCED_EXTRA_ARG, VLLMServerPool
 from environments.rollout import GeneratedTurn, Rollout
 
 
@@ -64,8 +64,6 @@ def next_sampling_seed() -> int | None:
     return None if stream is None else next(stream)
 
 
-FORCED_EXTRA_ARG = "lachesis_forced_token_ids"
-"""(:data:`environments.inference.forced_tokens.EXTRA_ARG`, which imports vLLM.)"""
 CONSTRAINED = ("structured_outputs", "guided_regex", "guided_json", "guided_grammar",
                "guided_choice", "response_format")
 """Sampling parameters that make vLLM sample from a constrained distribution (structured

@@ -63,6 +63,21 @@ class ContextLengthError(InferenceError):
     server that did not report its limit, or one restarted with a smaller one, answers."""
 
 
+FORCED_EXTRA_ARG = "lachesis_forced_token_ids"
+"""The ``extra_args`` key of a forced turn's token ids
+(:data:`environments.inference.forced_tokens.EXTRA_ARG`, which imports vLLM)."""
+
+
+def continued(sampling: dict[str, Any] | None, produced: int) -> dict[str, Any] | None:
+    """The sampling parameters of a request's continuation after ``produced`` tokens: a
+    forced turn's ids lose the ones already given (its continuation goes on with the
+    next, not from the first again)."""
+    extra = (sampling or {}).get("extra_args") or {}
+    if not extra.get(FORCED_EXTRA_ARG):
+        return sampling
+    return {**sampling, "extra_args": {**extra,
+                                       FORCED_EXTRA_ARG: extra[FORCED_EXTRA_ARG][produced:]}}
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -287,7 +302,8 @@ class VLLMServerPool:
                 and stalled < MAX_STALLED_CONTINUATIONS:
             self.stats.continued += 1
             more, = await self._request(prompt_ids + done.token_ids,
-                                        max_tokens - len(done.token_ids), sampling)
+                                        max_tokens - len(done.token_ids),
+                                        continued(sampling, len(done.token_ids)))
             stalled = 0 if more.token_ids else stalled + 1
             done = join_completions(done, more)
         return done
