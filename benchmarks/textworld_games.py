@@ -9,7 +9,9 @@ policy, no model) and prints, as JSON: generation seconds per game (TextWorld's 
 compile, from the manifest) and the set-up's wall time, walkthrough and planner steps, the
 step budget, seconds per env step, the size of each observation message (characters,
 words, and tokens of the tiny model's byte tokenizer), and the share of the games the
-epsilon-noisy planner demonstrator wins at each ``--epsilons``.
+epsilon-noisy planner demonstrator wins at each ``--epsilons``. With ``--tokenizer`` (a
+model directory, e.g. the one ``configs/textworld.yaml`` builds with a tokenizer learned on
+game text), also each observation's and each walkthrough conversation's tokens in it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,13 +53,14 @@ def spread(values):
 
 
 async def measure(horizon: str, games: int, cache: Path, workers: int,
-                  epsilons: list[float]) -> dict:
+                  epsilons: list[float], tokenizer: str | None = None,
+                  settings: dict | None = None) -> dict:
     from lachesis.tiny_model import build_tokenizer
 
     config = TextWorldCookingConfig(horizon=horizon, train_games=1, eval_items=games,
                                     cache_dir=cache, generation_workers=workers,
                                     group_size=1, max_token_length=10**6,
-                                    keep_equal_score_groups=True)
+                                    keep_equal_score_groups=True, **(settings or {}))
     env = TextWorldCookingEnv(config)
     renderer = ChatRenderer(build_tokenizer())
     began = time.monotonic()
@@ -68,7 +73,13 @@ async def measure(horizon: str, games: int, cache: Path, workers: int,
         plans[first] = item["walkthrough"]
     env.renderer = renderer
     env.backend = env.eval_backend = Walkthrough(renderer, plans)
+    learned = None
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        learned = ChatRenderer(AutoTokenizer.from_pretrained(tokenizer))
     won, chars, words, tokens, step_seconds = [], [], [], [], []
+    learned_tokens, conversation_tokens = [], []
     for item in env.eval_pool:
         began = time.monotonic()
         [trajectory] = (await env.collect_group(item)).trajectories
@@ -79,6 +90,11 @@ async def measure(horizon: str, games: int, cache: Path, workers: int,
                 chars.append(len(message.content))
                 words.append(len(message.content.split()))
                 tokens.append(len(renderer.encode(message.content)))
+                if learned is not None:
+                    learned_tokens.append(len(learned.encode(message.content)))
+        if learned is not None:
+            conversation_tokens.append(len(learned.encode(learned.render(
+                [m.model_dump(exclude_none=True) for m in trajectory.messages]))))
     demonstrator = {}
     for epsilon in epsilons:
         began = time.monotonic()
@@ -97,7 +113,11 @@ async def measure(horizon: str, games: int, cache: Path, workers: int,
             "seconds_per_step": round(statistics.mean(step_seconds), 4),
             "observation_chars": spread(chars), "observation_words": spread(words),
             "observation_byte_tokens": spread(tokens),
-            "demonstrator_won_by_epsilon": demonstrator}
+            "demonstrator_won_by_epsilon": demonstrator,
+            **({"tokenizer": tokenizer, "vocabulary": len(learned.tokenizer),
+                "observation_tokens": spread(learned_tokens),
+                "walkthrough_conversation_tokens": spread(conversation_tokens)}
+               if learned is not None else {})}
 
 
 def main() -> None:
@@ -109,10 +129,15 @@ def main() -> None:
     parser.add_argument("--epsilons", nargs="*", type=float,
                         default=[0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0],
                         help="the noisy planner's epsilons to measure its success at")
+    parser.add_argument("--settings", type=yaml.safe_load, default=None,
+                        help="env settings, e.g. '{hidden_commands: [examine, look]}'")
+    parser.add_argument("--tokenizer", help="a model directory: also count tokens in its "
+                                            "tokenizer")
     args = parser.parse_args()
     for horizon in args.horizons:
         print(json.dumps(asyncio.run(measure(horizon, args.games, args.cache, args.workers,
-                                             args.epsilons))), flush=True)
+                                             args.epsilons, args.tokenizer,
+                                             args.settings))), flush=True)
 
 
 if __name__ == "__main__":

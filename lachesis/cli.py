@@ -311,21 +311,40 @@ def _run_train(argv: list[str]) -> int:
     return _run_and_print("lachesis train", train(config, check_only=args.check))
 
 
+def _yaml_mapping(value: str) -> dict:
+    import yaml
+
+    parsed = yaml.safe_load(value)
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"not a YAML mapping: {value!r}")
+    return parsed
+
+
 def _add_make_tiny_model(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "make-tiny-model", help="build a tiny random Qwen2/Qwen3/Llama model + tokenizer "
                                 "(no downloads)")
     p.add_argument("out", type=Path, help="directory to write the HF model to")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", choices=["bytes", "arithmetic", "corpus"], default="bytes",
+    p.add_argument("--tokenizer", choices=["bytes", "arithmetic", "corpus", "env"],
+                   default="bytes",
                    help="bytes: byte-level, full Qwen-style tool prompt (the test model); "
                         "arithmetic: BPE learned on arithmetic_tool text, compact tool prompt "
                         "(the quickstart's model); corpus: BPE learned on the --corpus files, "
-                        "full tool prompt")
+                        "full tool prompt; env: BPE learned on the --env's demonstrations "
+                        "(e.g. textworld_cooking's games), full tool prompt")
     p.add_argument("--corpus", type=Path, nargs="+", metavar="PATH",
                    help="files or directories the corpus tokenizer learns on (JSON: every "
                         "string in it, e.g. requests captured from a harness, "
                         "tests/fixtures/harness_requests)")
+    p.add_argument("--env", metavar="NAME",
+                   help="the env whose demonstrations (oracle_messages) the env tokenizer "
+                        "learns on, from its training items")
+    p.add_argument("--env-settings", metavar="YAML", type=_yaml_mapping, default=None,
+                   help="that env's settings, e.g. '{horizon: short, demonstrator_epsilon: "
+                        "0.5}'")
+    p.add_argument("--corpus-conversations", type=int, default=512, metavar="N",
+                   help="demonstrations the env tokenizer learns on (default 512)")
     p.add_argument("--vocab-size", type=int, default=512,
                    help="merges learned up to this vocabulary (arithmetic, corpus)")
     p.add_argument("--layers", type=int, default=2)
@@ -357,7 +376,9 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
                                num_layers=args.layers, hidden_size=args.hidden_size,
                                family=args.family, tied=args.tied, template=args.template,
                                max_position_embeddings=args.context_length,
-                               vocab_size=args.vocab_size, corpus=args.corpus)
+                               vocab_size=args.vocab_size, corpus=args.corpus, env=args.env,
+                               env_settings=args.env_settings,
+                               corpus_conversations=args.corpus_conversations)
     except ValueError as error:
         print(f"lachesis make-tiny-model: {error}", file=sys.stderr)
         return 2

@@ -297,6 +297,34 @@ def arithmetic_corpus(n_conversations: int = 3000, seed: int = 0) -> list[str]:
             for i in range(n_conversations)]
 
 
+def env_corpus(env: str, settings: dict[str, Any] | None = None, n_conversations: int = 512,
+               chat_template: str = CHAT_TEMPLATE) -> list[str]:
+    """``n_conversations`` demonstrations of ``env`` (its ``oracle_messages(item)``, items
+    from its training pool, in the order ``get_next_item`` gives them), rendered with
+    ``chat_template`` and the env's tools: the text a tokenizer for that env learns on
+    (``textworld_cooking``: the ε-noisy planner's games, observations and commands)."""
+    import asyncio
+
+    from environments.framework.tools import tool_schemas
+    from lachesis.env_kinds import load_env_class
+
+    env_class = load_env_class(env)
+    if not hasattr(env_class, "oracle_messages"):
+        raise ValueError(f"tokenizer corpus: env {env} has no oracle_messages(item) to "
+                         "make demonstrations with")
+    instance = env_class(env_class.config_class(**(settings or {})))
+
+    async def items() -> list[Any]:
+        await instance.setup()
+        return [await instance.get_next_item() for _ in range(n_conversations)]
+
+    renderer = build_tokenizer()
+    renderer.chat_template = chat_template
+    schemas = tool_schemas(instance.tools) or None
+    return [renderer.apply_chat_template(instance.oracle_messages(item), tools=schemas,
+                                         tokenize=False) for item in asyncio.run(items())]
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode symbol map (what ByteLevel uses)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
@@ -311,13 +339,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-TOKENIZERS = ("bytes", "arithmetic", "corpus")
+TOKENIZERS = ("bytes", "arithmetic", "corpus", "env")
 """``bytes``: the byte-level tokenizer and the full Qwen-style template (the test model);
 ``arithmetic``: BPE merges learned on ``arithmetic_tool`` demonstrations and the compact
 template (the quickstart's model: its prompt is ~75 tokens instead of ~940); ``corpus``:
 BPE merges learned on the text of ``corpus`` files (e.g. requests captured from agent
 harnesses: their prompts are 3-4 times shorter than in bytes) and the family's full
-template."""
+template; ``env``: BPE merges learned on an env's demonstrations (:func:`env_corpus`, e.g.
+``textworld_cooking``'s games) and the family's full template."""
 
 
 def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
@@ -326,7 +355,9 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
                     intermediate_size: int | None = None, tokenizer: str = "bytes",
                     vocab_size: int = 512, family: str = "qwen2", tied: bool = False,
                     template: str | None = None,
-                    corpus: Iterable[str | Path] | None = None) -> Path:
+                    corpus: Iterable[str | Path] | None = None, env: str | None = None,
+                    env_settings: dict[str, Any] | None = None,
+                    corpus_conversations: int = 512) -> Path:
     """Write tokenizer + chat template + seeded random model to `out_dir`.
 
     ``tokenizer``: one of :data:`TOKENIZERS`; ``vocab_size``: the learned vocabulary's
@@ -334,7 +365,8 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
     ``family``: one of :data:`FAMILIES`; ``tied``: the output embedding is the input
     one; ``template``: one of :data:`TEMPLATES` (None: the family's own; ``compact`` for
     the ``arithmetic`` tokenizer); ``corpus``: the files the ``corpus`` tokenizer learns
-    its merges on (:func:`file_corpus`)."""
+    its merges on (:func:`file_corpus`); ``env``, ``env_settings``, ``corpus_conversations``:
+    the env whose demonstrations the ``env`` tokenizer learns on (:func:`env_corpus`)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
     from transformers import AutoModelForCausalLM
@@ -351,6 +383,12 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
     out.mkdir(parents=True, exist_ok=True)
     if (tokenizer == "corpus") != (corpus is not None):
         raise ValueError("tokenizer 'corpus' needs the corpus files, and only it takes them")
+    if (tokenizer == "env") != (env is not None):
+        raise ValueError("tokenizer 'env' needs the env whose demonstrations it learns on "
+                         "(env), and only it takes one")
+    if tokenizer == "env" and family == "llama":
+        raise ValueError("the env tokenizer has ChatML specials: use family qwen2 or qwen3 "
+                         "with it")
     if tokenizer == "bytes":
         tokenizer = build_tokenizer(family, template)
     elif tokenizer == "corpus":
@@ -359,6 +397,11 @@ def make_tiny_model(out_dir, *, seed: int = 0, hidden_size: int = 128, num_layer
                              "qwen3 with it")
         tokenizer = build_task_tokenizer(file_corpus(corpus), vocab_size,
                                          _template(family, template))
+    elif tokenizer == "env":
+        chat_template = _template(family, template)
+        tokenizer = build_task_tokenizer(
+            env_corpus(env, env_settings, corpus_conversations, chat_template), vocab_size,
+            chat_template)
     else:
         tokenizer = build_task_tokenizer(arithmetic_corpus(seed=seed), vocab_size)
         if template not in (None, "compact"):

@@ -485,3 +485,40 @@ def test_the_noisy_planner_demonstrates_in_the_envs_format_and_calibrates_epsilo
     env.epsilon = 0.5
     draws = [env.oracle_messages(item) for _ in range(4)]
     assert len({json.dumps(d) for d in draws}) > 1
+    # what lachesis run keeps beside the demonstrations: the epsilon and the tries
+    summary = env.demonstrator_summary()
+    assert summary["epsilon"] == 0.5 and summary["calibration"][0] == {"epsilon": 0.0,
+                                                                       "success": 1.0}
+
+
+def test_an_env_tokenizer_learns_on_its_demonstrations_and_shortens_the_observations(
+        tmp_path, cooking_env_config):
+    """``make-tiny-model --tokenizer env --env textworld_cooking``: BPE merges learned on
+    the noisy planner's games of the training pool. A held-out game's observations encode
+    in under a third of their bytes and decode to themselves; the model's vocabulary is
+    the tokenizer's; an env without demonstrations is refused, naming it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from environments.envs.textworld_cooking import TextWorldCookingConfig, TextWorldCookingEnv
+    from lachesis.tiny_model import make_tiny_model
+
+    settings = {k: cooking_env_config[k] for k in ("horizon", "train_games", "eval_items",
+                                                   "generation_workers", "cache_dir")}
+    out = make_tiny_model(tmp_path / "m", tokenizer="env", env="textworld_cooking",
+                          env_settings={**settings, "demonstrator_epsilon": 0.5},
+                          corpus_conversations=16, vocab_size=600, hidden_size=64,
+                          num_layers=1)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert AutoConfig.from_pretrained(out).vocab_size == len(tokenizer) > 300
+    env = TextWorldCookingEnv(TextWorldCookingConfig(**settings))
+    asyncio.run(env.setup())
+    messages, _ = env.demonstrate(env.eval_pool[0], 0.5, random.Random(1))
+    texts = [m["content"] for m in messages if m["role"] == "user"]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+    assert sum(len(tokenizer.encode(t)) for t in texts) < sum(map(len, texts)) / 3
+    assert tokenizer.apply_chat_template(messages[:2], tokenize=False).startswith(
+        "<|im_start|>system\nYou play a text game")
+    with pytest.raises(ValueError, match="tokenizer .env. needs the env"):
+        make_tiny_model(tmp_path / "n", tokenizer="env")

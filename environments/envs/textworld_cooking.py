@@ -480,6 +480,14 @@ class TextWorldCookingEnv(GymEnv):
                          f"bisection steps on {len(items)} held-out games (epsilon: "
                          f"success {tries}); widen the band or use more calibration_games")
 
+    def demonstrator_summary(self) -> dict[str, Any]:
+        """The demonstrator's ε, and the calibration's tries when ``target_success`` set
+        it (``lachesis run`` writes this to ``warm_start/demonstrator.json``)."""
+        return {"epsilon": self.epsilon, "target_success": self.config.target_success,
+                "calibration_games": len(self.eval_pool[:self.config.calibration_games])
+                if self.config.target_success is not None else 0,
+                "calibration": self.calibration}
+
     def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         """A demonstration of ``item`` by the ε-noisy planner (``demonstrator_epsilon``,
         or the calibrated ε): a new one each time the item is drawn."""

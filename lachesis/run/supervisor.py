@@ -496,6 +496,13 @@ class Supervisor:
             for item in asyncio.run(items()):
                 f.write(json.dumps({"messages": env.oracle_messages(item), "tools": tools}) + "\n")
         tmp.rename(path)
+        # An env whose demonstrator was tuned at set-up (textworld_cooking's calibrated
+        # epsilon) says how: kept beside the demonstrations, and said.
+        about = getattr(env, "demonstrator_summary", None)
+        if about is not None:
+            summary = about()
+            path.with_name("demonstrator.json").write_text(json.dumps(summary, indent=1))
+            self.say(f"warm start: the demonstrator: {json.dumps(summary)}")
         return path
 
     def evaluate(self, label: str, servers: list[EnvServer]) -> dict[str, Any]:
