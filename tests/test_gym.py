@@ -286,7 +286,8 @@ def test_a_window_keeps_the_first_observation_and_the_last_turns_in_new_segments
     assert t.segment_starts is None
 
 
-def test_textworld_feedback_is_cleaned_of_the_interpreters_decorations(cooking_game):
+def test_textworld_feedback_is_cleaned_of_the_interpreters_decorations(cooking_game,
+                                                                        tmp_path):
     path, walkthrough = cooking_game
     game = TextWorldGame(path, max_steps=2)
     first, info = game.reset()
@@ -302,14 +303,16 @@ def test_textworld_feedback_is_cleaned_of_the_interpreters_decorations(cooking_g
     # hotkeys (a backslash: frotz then waits for keys, and the env server hangs)
     assert textworld_command("\n é\\help\x1b  me\nlook") == "help me"
     assert textworld_command("take egg from fridge") == "take egg from fridge"
-    replies = ["\\help", "\\x", "\x01\x7f😀 \n", "take egg from fridge\n\\q", "a" * 5000]
+    replies = ["\\help", "\\x", "\x01\x7f😀 \n", "take egg from fridge\n\\q", "a" * 5000,
+               "script", "save", "game"]  # (frotz's save and script write files)
     stepped = subprocess.run(
         [sys.executable, "-c", "import sys; from environments.adapters.gym_env import "
          "TextWorldGame; game = TextWorldGame(sys.argv[1]); game.reset(); "
          "print([game.step(reply)[0][:30] for reply in sys.argv[2:]])", path, *replies],
-        cwd=REPO, capture_output=True, text=True, timeout=60)
+        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert stepped.returncode == 0, stepped.stderr[-2000:]
     assert "look:" in stepped.stdout  # TextWorld's own help for "help"
+    assert list(tmp_path.iterdir()) == []  # no saved game, no transcript
     assert clean_textworld_feedback("\nYou eat it.\n\n\n\n*** The End ***\n\nWould you like to "
                                     "RESTART, RESTORE?\n>  -= Kitchen =-3/4") == \
         "You eat it.\n\n*** The End ***"

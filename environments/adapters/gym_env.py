@@ -166,6 +166,10 @@ _BANNER_LINE = re.compile(r"^[\s$\\|_/<>()]*[$\\|_/][\s$\\|_/<>()]*$")
 
 _NOT_GAME_TEXT = re.compile(r"[^\x20-\x5b\x5d-\x7e]+")  # printable ASCII but the backslash
 MAX_COMMAND_CHARS = 200
+FILE_VERBS = frozenset({"save", "restore", "script", "transcript", "unscript", "noscript",
+                        "recording", "replay"})
+"""The interpreter's verbs that write or read files in the env server's working directory
+(a saved game, a transcript, a command recording): never sent."""
 
 
 def textworld_command(text: str) -> str:
@@ -175,10 +179,14 @@ def textworld_command(text: str) -> str:
     (Jericho's frotz) reads a backslash as the start of one of its own hotkey commands and
     then waits for keys that never come (the env server hangs), and random replies
     (backslashes, control and non-ASCII characters, many lines) crashed it with SIGSEGV
-    in 3 of 4 runs of 300 steps, where the same replies cleaned ran 2,400 steps. Commands
-    in the game's own vocabulary (lowercase ASCII words) pass unchanged."""
+    in 3 of 4 runs of 300 steps, where the same replies cleaned ran 2,400 steps. A reply
+    that starts with one of ``FILE_VERBS`` is sent as an empty command: frotz's ``save``
+    and ``script`` wrote files into the env server's working directory. Commands in the
+    game's own vocabulary (lowercase ASCII words) pass unchanged."""
     for line in text.splitlines():
         if command := " ".join(_NOT_GAME_TEXT.sub(" ", line).split()):
+            if command.split()[0].lower() in FILE_VERBS:
+                return ""  # (the game answers "I beg your pardon?")
             return command[:MAX_COMMAND_CHARS]
     return ""
 
