@@ -380,27 +380,14 @@ def turn_rtg(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef: float =
     *is* a statement about length and is passed through as such; make turn rewards score
     progress if length should not matter.
     """
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    returns = []
-    for traj in trajs:
-        rewards = traj.turn_rewards.copy()
-        rewards[:-1] *= turn_advantage_coef
-        returns.append(discounted_returns(rewards, gamma))
-    values, present = _padded(returns)
+    values, present = _returns_to_go(trajs, turn_advantage_coef, gamma)
     centred = np.zeros_like(values)
     for k in range(values.shape[1]):
         rows = present[:, k]
         column = values[rows, k]
         if not _all_equal(column):
             centred[rows, k] = column - column.mean()
-    dof = int(present.sum()) - ddof * values.shape[1]
-    if not scale:
-        scaled = centred
-    elif dof <= 0 or not centred.any():
-        scaled = np.zeros_like(centred)
-    else:
-        scaled = centred / (math.sqrt(float((centred ** 2).sum()) / dof) + eps)
+    scaled = _pooled_scale(centred, present, eps, ddof, scale)
     return [_fill_turns(traj, scaled[i, :traj.n_turns]) for i, traj in enumerate(trajs)]
 
 
@@ -432,14 +419,7 @@ def turn_rtg_unbiased(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef
     alone at an index gets ``(1 - 1/G) G_{i,k}`` (no baseline is available that does not
     depend on it), so the variance is higher where few members go on.
     """
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    returns = []
-    for traj in trajs:
-        rewards = traj.turn_rewards.copy()
-        rewards[:-1] *= turn_advantage_coef
-        returns.append(discounted_returns(rewards, gamma))
-    values, present = _padded(returns)
+    values, present = _returns_to_go(trajs, turn_advantage_coef, gamma)
     size = len(trajs)
     centred = np.zeros_like(values)
     for k in range(values.shape[1]):
@@ -450,14 +430,34 @@ def turn_rtg_unbiased(trajs: Sequence[TrajectoryRewards], *, turn_advantage_coef
         elif not _all_equal(column):
             others = (column.sum() - column) / (n - 1)
             centred[rows, k] = (1.0 - 1.0 / size) * (column - others)
-    dof = int(present.sum()) - ddof * values.shape[1]
-    if not scale:
-        scaled = centred
-    elif dof <= 0 or not centred.any():
-        scaled = np.zeros_like(centred)
-    else:
-        scaled = centred / (math.sqrt(float((centred ** 2).sum()) / dof) + eps)
+    scaled = _pooled_scale(centred, present, eps, ddof, scale)
     return [_fill_turns(traj, scaled[i, :traj.n_turns]) for i, traj in enumerate(trajs)]
+
+
+def _returns_to_go(trajs: Sequence[TrajectoryRewards], turn_advantage_coef: float,
+                   gamma: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each member's returns-to-go ``G_{i,k}`` (intermediate turn rewards times
+    ``turn_advantage_coef``, discount ``gamma``), padded: ``(values, present)``."""
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    returns = []
+    for traj in trajs:
+        rewards = traj.turn_rewards.copy()
+        rewards[:-1] *= turn_advantage_coef
+        returns.append(discounted_returns(rewards, gamma))
+    return _padded(returns)
+
+
+def _pooled_scale(centred: np.ndarray, present: np.ndarray, eps: float, ddof: int,
+                  scale: bool) -> np.ndarray:
+    """``centred`` over one scale for the whole group, ``sqrt(sum c^2 / (N - ddof *
+    K_max)) + eps`` (``scale=False``: as it is; all zero when nothing varies)."""
+    dof = int(present.sum()) - ddof * centred.shape[1]
+    if not scale:
+        return centred
+    if dof <= 0 or not centred.any():
+        return np.zeros_like(centred)
+    return centred / (math.sqrt(float((centred ** 2).sum()) / dof) + eps)
 
 
 def discounted_returns(rewards: np.ndarray, gamma: float) -> np.ndarray:
