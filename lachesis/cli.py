@@ -35,7 +35,7 @@ def _add_api(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_api(args: argparse.Namespace) -> int:
     from environments.api.schemas import APIConfig
-    from environments.api.server import serve
+    from environments.api.routes import serve
 
     overrides = {k: getattr(args, k) for k in (
         "host", "port", "db", "in_memory", "synchronous", "token", "max_body_mb",

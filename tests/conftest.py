@@ -19,7 +19,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from environments.api.schemas import APIConfig
-from environments.api.server import API_KEY, build_app
+from environments.api.routes import API_KEY, build_app
 from environments.trajectory import ScoredGroup, ScoredTrajectory
 
 # One OpenMP thread per process unless the caller says otherwise, set before anything

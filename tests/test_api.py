@@ -218,7 +218,7 @@ def test_bearer_token_guards_every_endpoint_but_the_health_check():
     """Every route of the app (read off its router, so a new route is covered too) answers
     401 without the token or with a wrong one, and changes nothing; /health answers."""
     from environments.api.schemas import APIConfig
-    from environments.api.server import build_app
+    from environments.api.routes import build_app
 
     routes = sorted({(r.method, r.resource.canonical) for r in
                      build_app(APIConfig(in_memory=True)).router.routes()

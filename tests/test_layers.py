@@ -162,7 +162,7 @@ def test_processes_that_compute_nothing_start_without_torch():
     """The supervisor of `lachesis run`, the rollout API and an env server compute nothing
     with torch: importing it costs each start about 1.5 s of CPU (a run starts these many
     times: restarts, evaluations, every test of `lachesis run`)."""
-    modules = ["lachesis.cli", "lachesis.run.supervisor", "environments.api.server",
+    modules = ["lachesis.cli", "lachesis.run.supervisor", "environments.api.routes",
                "environments.framework.runner"]
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
