@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
 from math import comb
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats import fisher_exact, mann_whitney, stratified_permutation, tost  # noqa: E402
@@ -168,8 +170,75 @@ def stress() -> None:
                   + " |")
 
 
+# --- study 3 (TextWorld, two horizons) ---------------------------------------------------------
+
+PILOTS = {"short": Path(__file__).resolve().parent / "results" / "textworld-credit-pilot",
+          "long": Path(__file__).resolve().parent / "results" / "textworld-credit-pilot-long"}
+
+
+def pilot_spread(results: Path) -> dict[str, Any]:
+    """A pilot's final held-out success per arm (its tuning cells: one warm start, one
+    rate, several seeds) and the pooled within-arm standard deviation."""
+    arms: dict[str, list[float]] = {}
+    for summary in sorted(results.glob("tuning/*/*-seed*/summary.json")):
+        after = json.loads(summary.read_text())["after"]["textworld_cooking"]
+        arms.setdefault(summary.parent.name.rsplit("-seed", 1)[0], []).append(
+            float(after["success"]))
+    groups = [v for v in arms.values() if len(v) >= 2]
+    df = sum(len(v) - 1 for v in groups)
+    sd = (math.sqrt(sum((len(v) - 1) * statistics.variance(v) for v in groups) / df)
+          if df else float("nan"))
+    return {"runs": arms, "sd": sd, "df": df}
+
+
+def normal_power(sd: float, delta: float, strata: int, n: int, alphas: list[float], *,
+                 sims: int = 400, draws: int = 400, seed: int = 0) -> list[float]:
+    """P(stratified permutation p <= alpha) when each of ``strata`` warm starts has ``n``
+    runs per arm, final success ~ N(mu_ws, sd) for one arm and N(mu_ws + delta, sd) for
+    the other (mu_ws: a warm start's own level, which a stratified test removes)."""
+    rng = random.Random(seed)
+    ps = []
+    for i in range(sims):
+        levels = [rng.uniform(0.3, 0.7) for _ in range(strata)]
+        xs = [[rng.gauss(m + delta, sd) for _ in range(n)] for m in levels]
+        ys = [[rng.gauss(m, sd) for _ in range(n)] for m in levels]
+        ps.append(stratified_permutation(xs, ys, draws=draws, seed=seed * sims + i)[1])
+    return [sum(p <= alpha for p in ps) / sims for alpha in alphas]
+
+
+def textworld(sds: list[float], runs: list[int], deltas: list[float]) -> None:
+    for horizon, path in PILOTS.items():
+        if not path.exists():
+            continue
+        s = pilot_spread(path)
+        print(f"pilot, {horizon} horizon: " + "; ".join(
+            f"{arm} {', '.join(f'{v:.3f}' for v in values)}"
+            for arm, values in s["runs"].items()) + f"; pooled sd {s['sd']:.4f} ({s['df']} df)")
+    alphas = [0.05, 0.05 / 8]
+    print("\nStratified permutation test, 4 warm starts, a normal model of final success "
+          "(400 simulated studies, 400 relabellings each): power at alpha 0.05 / at the Holm "
+          "worst case 0.05/8")
+    print("| sd | runs per arm and warm start | " + " | ".join(f"gap {d:+.2f}" for d in deltas)
+          + " |")
+    print("|---:|---:|" + "---|" * len(deltas))
+    for sd in sds:
+        for n in runs:
+            cells = [normal_power(sd, d, 4, n, alphas) for d in deltas]
+            print(f"| {sd:.3f} | {n} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells)
+                  + " |")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stress", action="store_true",
                         help="the stress study's power, from the confirmatory study's runs")
-    stress() if parser.parse_args().stress else main()
+    parser.add_argument("--textworld", action="store_true",
+                        help="study 3's power, from its pilot's spread")
+    parser.add_argument("--sd", type=float, nargs="+", default=[0.03, 0.05, 0.07])
+    parser.add_argument("--runs", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--gaps", type=float, nargs="+", default=[0.04, 0.06, 0.08])
+    args = parser.parse_args()
+    if args.textworld:
+        textworld(args.sd, args.runs, args.gaps)
+    else:
+        stress() if args.stress else main()
