@@ -327,7 +327,11 @@ def test_other_frameworks_env_names_resolve_or_say_what_is_wrong():
             load_env_class("verifiers:vf_add")
 
 
+# 99 s, 72 s CPU beside the suite: the run's check of the env with its venv's python and
+# the env server's command are test_a_run_checks_a_verifiers_env_with_the_verifiers_venvs_
+# python; that env server's per-turn groups reaching a trainer's lease, the taskset test
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_a_verifiers_taskset_trains_under_lachesis_run(tiny_model_dir, verifiers_env_process,
                                                       tmp_path):
     """`verifiers:ID` as an `envs:` entry with the verifiers venv's `python`: the run

@@ -158,18 +158,21 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
         assert (b[before] - recorded[start:s1]).abs().mean() > 1e-2
         assert (a[after] - recorded[s1:end]).abs().mean() > 1e-2
 
-    # the trainer's step-0 check (weights of version 0) compares the version-0 tokens
-    run = subprocess.run(
-        [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
-         str(vllm_server.model_dir), "--data", str(out), "--batch-size", "2",
-         "--run-dir", str(tmp_path / "run"), "--tensorboard", "false"],
-        capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    summary = json.loads(run.stdout[run.stdout.index("{"):])
-    compared = sum(spans[0][1] - spans[0][0] for spans in
-                   (t.metadata["turns"][0]["version_spans"] for t in group.trajectories))
-    assert summary["alignment_mean_abs_diff"] < 1e-3
-    assert summary["alignment_compared_tokens"] == compared
+    # the trainer's step-0 check (weights of version 0) compares the version-0 tokens: the
+    # same spans in every mode, so once, on abort's (its turns continued), not three times
+    # (a trainer process each, 6-8 s beside the suite)
+    if pause == "abort":
+        run = subprocess.run(
+            [sys.executable, "-m", "lachesis.cli", "train", "--check", "--model",
+             str(vllm_server.model_dir), "--data", str(out), "--batch-size", "2",
+             "--run-dir", str(tmp_path / "run"), "--tensorboard", "false"],
+            capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        summary = json.loads(run.stdout[run.stdout.index("{"):])
+        compared = sum(spans[0][1] - spans[0][0] for spans in
+                       (t.metadata["turns"][0]["version_spans"] for t in group.trajectories))
+        assert summary["alignment_mean_abs_diff"] < 1e-3
+        assert summary["alignment_compared_tokens"] == compared
 
 
 def test_a_busy_sample_read_across_a_take_counts_in_neither_window():

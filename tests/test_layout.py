@@ -148,10 +148,14 @@ def test_shared_devices_may_be_given_twice_on_purpose(tmp_path):
     assert build_layout(run).trainer.env["CUDA_VISIBLE_DEVICES"] == "3,4"
 
 
-def test_plan_finds_every_problem_and_starts_nothing(tmp_path, tiny_model_dir):
+def test_plan_finds_every_problem_and_starts_nothing(tmp_path, tiny_model_dir, capsys):
     """Devices this machine lacks, group sizes that do not divide the batch (each env), an
     env that cannot be found, a tokenizer larger than the model's vocabulary, a tokenizer
-    without a chat template."""
+    without a chat template. (`lachesis run --plan` in this process: a process of its own
+    cost 9 s of CPU for its imports, 45 s beside the suite; a run's start refused on the
+    plan is test_run_refuses_to_start_on_what_the_plan_flags's.)"""
+    from lachesis.cli import main
+
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     settings = json.loads((model / "config.json").read_text())
@@ -170,10 +174,9 @@ def test_plan_finds_every_problem_and_starts_nothing(tmp_path, tiny_model_dir):
                      "settings": {"group_size": 5}}]}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
-    done = subprocess.run([sys.executable, "-m", "lachesis.cli", "run", str(path), "--plan"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    out = done.stdout
-    assert done.returncode == 1, done.stderr[-2000:]
+    code = main(["run", str(path), "--plan"])
+    out, err = capsys.readouterr()
+    assert code == 1, err[-2000:]
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
     for expected in [
             "vllm-0: device(s) [0, 1] asked for, but this machine has 0 GPU(s)",

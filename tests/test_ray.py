@@ -24,11 +24,20 @@ from lachesis.run.ray_cluster import ray_problems
 CONFIG = REPO / "configs" / "ray_cpu_two_nodes.yaml"
 
 
-def write_config(tmp_path: Path, name: str, **changes) -> Path:
-    """configs/ray_cpu_two_nodes.yaml with its run and model under ``tmp_path``."""
+@pytest.fixture(scope="module")
+def ray_model(tmp_path_factory) -> Path:
+    """The config's tiny model (``build_tiny_model``), built once for the module's runs as
+    each run would build it (a run that finds it there builds none: 10 s of CPU each)."""
+    from lachesis.tiny_model import make_tiny_model
+
+    settings = yaml.safe_load(CONFIG.read_text())["build_tiny_model"]
+    return make_tiny_model(tmp_path_factory.mktemp("ray_model") / "model", **settings)
+
+
+def write_config(tmp_path: Path, model: Path, name: str, **changes) -> Path:
+    """configs/ray_cpu_two_nodes.yaml with its run under ``tmp_path``, on ``model``."""
     config = yaml.safe_load(CONFIG.read_text())
-    config.update(name=name, runs_dir=str(tmp_path / "runs"),
-                  model=str(tmp_path / "model"), **changes)
+    config.update(name=name, runs_dir=str(tmp_path / "runs"), model=str(model), **changes)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -70,7 +79,8 @@ def safetensors_weights(directory: Path) -> dict:
 
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nodes, tmp_path):
+def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nodes, ray_model,
+                                                                          tmp_path):
     """The whole system on the two nodes: the trainer's two ranks (gloo) one per node, the
     API on node_a, the env server and its evaluation on node_b, vLLM where Ray puts it;
     every process's log reaches the head's run directory. RL sampling is not reproducible
@@ -82,7 +92,7 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
     from test_run import wait_for
     from test_security import check_the_run_is_guarded, trainer_pids
 
-    config_path = write_config(tmp_path, "two_nodes")
+    config_path = write_config(tmp_path, ray_model, "two_nodes")
     started = time.monotonic()
     run = lachesis_run(config_path, two_nodes)
     run_dir = tmp_path / "runs" / "two_nodes"
@@ -149,7 +159,7 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
 @pytest.mark.ray
 @pytest.mark.vllm
 @pytest.mark.slow  # 66 s; one-machine restarts are in test_run's whole-node and LoRA tests
-def test_a_replica_killed_on_its_node_is_restarted_there(two_nodes, tmp_path):
+def test_a_replica_killed_on_its_node_is_restarted_there(two_nodes, ray_model, tmp_path):
     """As on one machine (tests/test_run.py): a vLLM replica killed after step 1 is
     restarted by the supervisor, by the same actor on the same node, on the synced
     weights; the trainer's ranks load the newest weights into it when it is back, and the
@@ -161,7 +171,7 @@ def test_a_replica_killed_on_its_node_is_restarted_there(two_nodes, tmp_path):
     steps = 40
     base = yaml.safe_load(CONFIG.read_text())
     config_path = write_config(
-        tmp_path, "restart", warm_start=None, evaluate=False,
+        tmp_path, ray_model, "restart", warm_start=None, evaluate=False,
         vllm={**base["vllm"], "replicas": 2},
         train={**base["train"], "steps": steps, "weight_sync": "disk",
                "check_sync_every": True})
@@ -206,11 +216,11 @@ def wait_for_a_warm_start_step(run: subprocess.Popen, run_dir: Path) -> None:
 
 
 @pytest.mark.ray
-def test_a_killed_rank_fails_the_run_and_nothing_is_left(two_nodes, tmp_path):
+def test_a_killed_rank_fails_the_run_and_nothing_is_left(two_nodes, ray_model, tmp_path):
     """A trainer rank killed on its node stops the run as a dead process does on one
     machine: exit 1, the rank's name, exit code and log tail; every process goes. (Killed
     during the warm start, so no vLLM is started.)"""
-    config_path = write_config(tmp_path, "killed", warm_start=LONG_WARM_START)
+    config_path = write_config(tmp_path, ray_model, "killed", warm_start=LONG_WARM_START)
     run = lachesis_run(config_path, two_nodes)
     run_dir = tmp_path / "runs" / "killed"
     wait_for_a_warm_start_step(run, run_dir)
@@ -230,11 +240,13 @@ def test_a_killed_rank_fails_the_run_and_nothing_is_left(two_nodes, tmp_path):
 
 
 @pytest.mark.ray
-def test_killing_the_supervisor_outright_leaves_no_process_on_the_nodes(two_nodes, tmp_path):
+def test_killing_the_supervisor_outright_leaves_no_process_on_the_nodes(two_nodes, ray_model,
+                                                                        tmp_path):
     """SIGKILL gives the supervisor (the Ray driver) no chance to clean up: Ray ends its
     actors and kills their children (the guards), and each actor's watcher kills what the
     guard cannot take with it any more."""
-    config_path = write_config(tmp_path, "supervisor_killed", warm_start=LONG_WARM_START)
+    config_path = write_config(tmp_path, ray_model, "supervisor_killed",
+                               warm_start=LONG_WARM_START)
     run = lachesis_run(config_path, two_nodes)
     run_dir = tmp_path / "runs" / "supervisor_killed"
     wait_for_a_warm_start_step(run, run_dir)
@@ -251,7 +263,7 @@ def test_killing_the_supervisor_outright_leaves_no_process_on_the_nodes(two_node
 @pytest.mark.ray
 def test_shared_memory_weight_sync_is_refused_across_nodes_before_anything_starts(
         two_nodes, tmp_path):
-    config_path = write_config(tmp_path, "shm", train={
+    config_path = write_config(tmp_path, tmp_path / "model", "shm", train={
         **yaml.safe_load(CONFIG.read_text())["train"], "transfer_backend": "auto"})
     run = lachesis_run(config_path, two_nodes)
     out, err = run.communicate(timeout=120)
@@ -280,7 +292,7 @@ def test_what_cannot_work_on_a_cluster_is_named():
 
 def test_ray_without_the_extra_names_the_install(tmp_path):
     """Where Ray cannot be imported, --ray says how to install it and starts nothing."""
-    config_path = write_config(tmp_path, "no_ray")
+    config_path = write_config(tmp_path, tmp_path / "model", "no_ray")
     code = ("import sys; sys.modules['ray'] = None; from lachesis.cli import main; "
             f"sys.exit(main(['run', {str(config_path)!r}, '--ray', 'auto']))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

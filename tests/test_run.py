@@ -328,6 +328,11 @@ def test_a_run_whose_groups_all_score_equal_stops_training_early_and_still_evalu
     assert (run_dir / "trainer" / "checkpoints" / "step_000001").is_dir()  # the end's
 
 
+# 84 s, 62 s CPU beside the suite: a whole run for what the units check piece by piece:
+# the API's weighted batches (test_batching.py's waiting deficit round robin, 3:1 within
+# half a group), the env's pacing (test_api.py's max_queued_groups tests) and that the
+# run paces every env (test_layout.py); two envs trained in one run is the whole-node test
+@pytest.mark.slow
 def test_two_envs_train_by_weight_and_neither_runs_more_than_a_batch_ahead(tiny_model_dir,
                                                                            tmp_path):
     """Weights 3 and 1, batches of 2 groups: after every step each env's trained groups are
@@ -523,6 +528,12 @@ def replica_pid(run: str, port: str) -> int:
     raise AssertionError(f"no vLLM process on port {port}")
 
 
+# 63 s, 59 s CPU beside the suite: what the run starts for an atroposlib env and how
+# (atropos-generate over the replicas, the env's settings and pacing) is test_layout.py's
+# other-kinds test; that bridge, an unchanged env's own serve loop and lachesis train,
+# wired as the run wires them, train aligned in test_atropos.py, as does a defaults env
+# without logprobs
+@pytest.mark.slow
 def test_an_atropos_env_with_atroposlibs_defaults_runs_under_lachesis_run(tiny_model_dir,
                                                                          tmp_path):
     """An unchanged atroposlib env written with atroposlib's defaults (tests/test_atropos.py's:
