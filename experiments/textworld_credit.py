@@ -84,7 +84,7 @@ TUNING_WARM_START = 0
 # and warm start, the arms
 HORIZON_DESIGN = {
     "short": {"steps": 40, "eval_items": 256, "runs": 2, "arms": tuple(ARMS)},
-    "long": {"steps": 30, "eval_items": 128, "runs": 2, "arms": tuple(ARMS)},
+    "long": {"steps": 40, "eval_items": 256, "runs": 3, "arms": tuple(ARMS)},
 }
 RESULTS = REPO / "experiments" / "results" / "textworld-credit"
 MAX_ATTEMPTS = cf.MAX_ATTEMPTS
