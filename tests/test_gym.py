@@ -166,8 +166,8 @@ def test_gem_demonstrators_win_at_epsilon_0_and_their_actions_score_as_gem_score
     solver on its Mastermind (6 guesses) win every one of 32 held-out games at epsilon 0
     (the solver's peg counts are GEM's, else it would rule out the code); a
     demonstration's actions, replied by a scripted model through the adapter, give its
-    messages and GEM's own step rewards; the calibration lands in its band; a gym env
-    without a demonstrator cannot warm-start, a bad one is refused."""
+    messages and GEM's own step rewards; the calibration lands in its band; a demonstrator
+    that names nothing is refused."""
     demonstration: list[str] = []
     env = gym_env(f"gym:gem/{GUESS}", renderer, lambda state, k: demonstration[k],
                   group_size=1, eval_items=32, **demonstrated("guess_the_number"))
@@ -189,10 +189,25 @@ def test_gem_demonstrators_win_at_epsilon_0_and_their_actions_score_as_gem_score
     # the calibration: an epsilon whose demonstrator wins a share inside the band
     epsilon = env.calibrate(0.6, 0.8)
     assert 0 < epsilon < 1 and 0.6 <= env.demonstrator_success(epsilon, items) <= 0.8
-    cls = load_env_class(f"gym:gem/{GUESS}")
-    assert "no demonstrator" in cls.demonstrator_problem(cls.config_class())
     with pytest.raises(ValueError, match="demonstrator: cannot load 'nothing'"):
-        cls.config_class(demonstrator="environments.envs.gem_demonstrators:nothing")
+        load_env_class(f"gym:gem/{GUESS}").config_class(
+            demonstrator="environments.envs.gem_demonstrators:nothing")
+
+
+def test_the_gem_example_config_is_valid_and_a_warm_start_without_a_demonstrator_is_refused(
+        tmp_path):
+    import yaml
+
+    from lachesis.run.config import RunConfig
+
+    example = REPO / "configs" / "examples" / "gem-guess-the-number.yaml"
+    RunConfig.load(example)  # every section validates
+    config = yaml.safe_load(example.read_text())
+    del config["warm_start"]["settings"]["demonstrator"]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"warm_start.env: gym:gem/game:GuessTheNumber-v0-easy "
+                                         r"cannot make demonstrations: it has no demonstrator"):
+        RunConfig.load(tmp_path / "run.yaml")
 
 
 def test_each_episode_keeps_its_own_random_stream_so_a_seed_is_one_game(renderer):

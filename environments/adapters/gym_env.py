@@ -50,6 +50,9 @@ concurrent episodes would draw from each other's streams and the same seed would
 the same game. At start the env is made and reset once with the network blocked: an env
 that needs a download at run time (GEM's Wordle fetches NLTK's word list) fails there,
 with a message naming what it tried to reach.
+
+Warm starts: ``demonstrator`` names a scripted policy whose ε-noisy episodes are the env's
+``oracle_messages`` (:mod:`environments.adapters.gym_demonstrator`).
 """
 
 from __future__ import annotations

@@ -66,9 +66,7 @@ class TextWorldGame:
         try:
             import textworld
         except ImportError:
-            from environments.adapters.gym_env import GymEnvError
-
-            raise GymEnvError("TextWorld games need textworld: pip install "
+            raise ImportError("TextWorld games need textworld: pip install "
                               "'lachesis-rl[gym]' (or textworld==1.7.0)") from None
         self.path = Path(path)
         self.max_steps = max_steps
