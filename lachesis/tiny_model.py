@@ -312,7 +312,11 @@ def env_corpus(env: str, settings: dict[str, Any] | None = None, n_conversations
     if not hasattr(env_class, "oracle_messages"):
         raise ValueError(f"tokenizer corpus: env {env} has no oracle_messages(item) to "
                          "make demonstrations with")
-    instance = env_class(env_class.config_class(**(settings or {})))
+    config = env_class.config_class(**(settings or {}))
+    problem = getattr(env_class, "demonstrator_problem", None)
+    if problem and (problem := problem(config)):
+        raise ValueError(f"tokenizer corpus: env {env} cannot make demonstrations: {problem}")
+    instance = env_class(config)
 
     async def items() -> list[Any]:
         await instance.setup()

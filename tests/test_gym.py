@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 from conftest import REPO, train_check
 
-from environments.adapters.gym_env import (
-    GymEnvError,
+from environments.adapters.gym_env import GymEnvError, network_blocked
+from environments.adapters.textworld_game import (
     TextWorldGame,
     clean_textworld_feedback,
-    network_blocked,
     textworld_command,
 )
 from environments.framework.registry import EnvNotFoundError
@@ -41,6 +40,7 @@ textworld = pytest.importorskip("textworld", reason="the gym extra (textworld) i
 
 MASTERMIND = "game:Mastermind-v0-easy"
 MINESWEEPER = "game:Minesweeper-v0-easy"
+GUESS = "game:GuessTheNumber-v0-easy"
 
 
 class Scripted:
@@ -153,6 +153,61 @@ def test_a_gem_game_scores_each_turn_with_its_step_reward_and_ends_when_the_env_
     env = gym_env(f"gym:gem/{MASTERMIND}", renderer, lambda state, k: "no idea", group_size=2)
     for t in group(env).trajectories:
         assert t.scores == [-0.1] and t.metadata["metrics"]["success"] == 0.0
+
+
+def demonstrated(game: str) -> dict[str, str]:
+    where = "environments.envs.gem_demonstrators"
+    return {"demonstrator": f"{where}:{game}", "demonstrator_noise": f"{where}:{game}_noise"}
+
+
+def test_gem_demonstrators_win_at_epsilon_0_and_their_actions_score_as_gem_scores_them(
+        renderer):
+    """Binary search on GEM's GuessTheNumber (1-10, 4 guesses) and the consistent-code
+    solver on its Mastermind (6 guesses) win every one of 32 held-out games at epsilon 0
+    (the solver's peg counts are GEM's, else it would rule out the code); a
+    demonstration's actions, replied by a scripted model through the adapter, give its
+    messages and GEM's own step rewards; the calibration lands in its band; a demonstrator
+    that names nothing is refused."""
+    demonstration: list[str] = []
+    env = gym_env(f"gym:gem/{GUESS}", renderer, lambda state, k: demonstration[k],
+                  group_size=1, eval_items=32, **demonstrated("guess_the_number"))
+    items = env.calibration_items
+    assert len(items) == 32 and env.demonstrator_success(0.0, items) == 1.0
+    assert env.demonstrator_success(1.0, items) < 0.6  # uniform guesses
+    mastermind = gym_env(f"gym:gem/{MASTERMIND}", renderer, lambda state, k: "",
+                         make_kwargs={"max_turns": 6}, eval_items=32,
+                         **demonstrated("mastermind"))
+    assert mastermind.demonstrator_success(0.0, mastermind.calibration_items) == 1.0
+    item = items[3]
+    messages, won = env.demonstrate(item, 0.5, random.Random(2))
+    demonstration += [m["content"] for m in messages if m["role"] == "assistant"]
+    [t] = group(env, item).trajectories
+    assert [m.model_dump(exclude_none=True) for m in t.messages] == messages
+    replay = replay_gem(GUESS, item["seed"], demonstration)  # GEM outside Lachesis
+    assert t.scores == [r[1] for r in replay[1:]]
+    assert t.metadata["metrics"]["success"] == float(won)
+    # the calibration: an epsilon whose demonstrator wins a share inside the band
+    epsilon = env.calibrate(0.6, 0.8)
+    assert 0 < epsilon < 1 and 0.6 <= env.demonstrator_success(epsilon, items) <= 0.8
+    with pytest.raises(ValueError, match="demonstrator: cannot load 'nothing'"):
+        load_env_class(f"gym:gem/{GUESS}").config_class(
+            demonstrator="environments.envs.gem_demonstrators:nothing")
+
+
+def test_the_gem_example_config_is_valid_and_a_warm_start_without_a_demonstrator_is_refused(
+        tmp_path):
+    import yaml
+
+    from lachesis.run.config import RunConfig
+
+    example = REPO / "configs" / "examples" / "gem-guess-the-number.yaml"
+    RunConfig.load(example)  # every section validates
+    config = yaml.safe_load(example.read_text())
+    del config["warm_start"]["settings"]["demonstrator"]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"warm_start.env: gym:gem/game:GuessTheNumber-v0-easy "
+                                         r"cannot make demonstrations: it has no demonstrator"):
+        RunConfig.load(tmp_path / "run.yaml")
 
 
 def test_each_episode_keeps_its_own_random_stream_so_a_seed_is_one_game(renderer):
@@ -306,8 +361,8 @@ def test_textworld_feedback_is_cleaned_of_the_interpreters_decorations(cooking_g
     replies = ["\\help", "\\x", "\x01\x7f😀 \n", "take egg from fridge\n\\q", "a" * 5000,
                "script", "save", "game"]  # (frotz's save and script write files)
     stepped = subprocess.run(
-        [sys.executable, "-c", "import sys; from environments.adapters.gym_env import "
-         "TextWorldGame; game = TextWorldGame(sys.argv[1]); game.reset(); "
+        [sys.executable, "-c", "import sys; from environments.adapters.textworld_game "
+         "import TextWorldGame; game = TextWorldGame(sys.argv[1]); game.reset(); "
          "print([game.step(reply)[0][:30] for reply in sys.argv[2:]])", path, *replies],
         cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert stepped.returncode == 0, stepped.stderr[-2000:]

@@ -50,12 +50,14 @@ concurrent episodes would draw from each other's streams and the same seed would
 the same game. At start the env is made and reset once with the network blocked: an env
 that needs a download at run time (GEM's Wordle fetches NLTK's word list) fails there,
 with a message naming what it tried to reach.
+
+Warm starts: ``demonstrator`` names a scripted policy whose ε-noisy episodes are the env's
+``oracle_messages`` (:mod:`environments.adapters.gym_demonstrator`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import json
 import random
@@ -69,7 +71,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, create_model
 
-from environments.framework.base import BaseEnv, EnvConfig, TurnLevelRewardMixin
+from environments.adapters.gym_demonstrator import (
+    DemonstratorConfig,
+    NoisyDemonstrator,
+    load_function,
+)
+from environments.adapters.textworld_game import TextWorldGame
+from environments.framework.base import BaseEnv, TurnLevelRewardMixin
 from environments.framework.tools import ToolError, validate_arguments
 from environments.inference.chat_template import ChatRenderer
 from environments.inference.tool_parsers import ToolCallParser, to_message_tool_calls
@@ -130,15 +138,10 @@ def _textworld_game(path: str) -> Callable[..., Any]:
 
 
 def _factory(target: str) -> Callable[..., Any]:
-    module_name, _, name = target.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as error:
-        raise GymEnvError(f"gym:{target}: cannot load {name!r} from {module_name!r} "
-                          f"({type(error).__name__}: {error})") from None
-    if not callable(factory):
-        raise GymEnvError(f"gym:{target}: {name} is not callable")
-    return factory
+        return load_function(target, f"gym:{target}")
+    except ValueError as error:
+        raise GymEnvError(str(error)) from None
 
 
 SOURCES = {"gem": _gem_make, "gymnasium": _gymnasium_make, "textworld": _textworld_game}
@@ -158,105 +161,7 @@ def env_factory(spec: str) -> Callable[..., Any]:
                       "gym:package.module:FACTORY")
 
 
-# -- TextWorld -------------------------------------------------------------------------------
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_BANNER_LINE = re.compile(r"^[\s$\\|_/<>()]*[$\\|_/][\s$\\|_/<>()]*$")
-
-
-_NOT_GAME_TEXT = re.compile(r"[^\x20-\x5b\x5d-\x7e]+")  # printable ASCII but the backslash
-MAX_COMMAND_CHARS = 200
-FILE_VERBS = frozenset({"save", "restore", "script", "transcript", "unscript", "noscript",
-                        "recording", "replay"})
-"""The interpreter's verbs that write or read files in the env server's working directory
-(a saved game, a transcript, a command recording): never sent."""
-
-
-def textworld_command(text: str) -> str:
-    """What of a model's reply a TextWorld game is sent: its first line with anything on
-    it once backslashes and what is not printable ASCII are made spaces, whitespace
-    collapsed, at most ``MAX_COMMAND_CHARS`` characters. The Z-machine interpreter
-    (Jericho's frotz) reads a backslash as the start of one of its own hotkey commands and
-    then waits for keys that never come (the env server hangs), and random replies
-    (backslashes, control and non-ASCII characters, many lines) crashed it with SIGSEGV
-    in 3 of 4 runs of 300 steps, where the same replies cleaned ran 2,400 steps. A reply
-    that starts with one of ``FILE_VERBS`` is sent as an empty command: frotz's ``save``
-    and ``script`` wrote files into the env server's working directory. Commands in the
-    game's own vocabulary (lowercase ASCII words) pass unchanged."""
-    for line in text.splitlines():
-        if command := " ".join(_NOT_GAME_TEXT.sub(" ", line).split()):
-            if command.split()[0].lower() in FILE_VERBS:
-                return ""  # (the game answers "I beg your pardon?")
-            return command[:MAX_COMMAND_CHARS]
-    return ""
-
-
-def clean_textworld_feedback(text: str) -> str:
-    """TextWorld's feedback without the interpreter's decorations: the title banner, the
-    ``>`` prompt and the status line after it, the restart question at the end, runs of
-    blank lines."""
-    text = text.rsplit("\n>", 1)[0] if "\n>" in text else text
-    lines = [line.strip() for line in text.splitlines()]
-    lines = [line for line in lines if not _BANNER_LINE.match(line)
-             and not line.startswith("Would you like to RESTART")]
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
-
-
-class TextWorldGame:
-    """A TextWorld game file with a Gymnasium-style API (TextWorld's own is
-    ``step(command) -> (GameState, total score, done)``).
-
-    ``reward`` is the score's increment (over ``max_score`` with ``normalize_score``);
-    ``terminated`` when the game is won or lost; ``truncated`` after ``max_steps`` steps.
-    ``info`` carries ``admissible_commands``, ``won``, ``lost``, ``score``, ``max_score``,
-    ``moves``, ``inventory``, and ``policy_commands`` (the game's planner, re-planned from
-    the current state) with ``policy_commands=True``."""
-
-    def __init__(self, path: str | Path, *, max_steps: int | None = None,
-                 normalize_score: bool = False, policy_commands: bool = False,
-                 inventory: bool = True):
-        try:
-            import textworld
-        except ImportError:
-            raise GymEnvError("TextWorld games need textworld: pip install "
-                              "'lachesis-rl[gym]' (or textworld==1.7.0)") from None
-        self.path = Path(path)
-        self.max_steps = max_steps
-        self.normalize_score = normalize_score
-        infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, score=True,
-                                   max_score=True, moves=True, objective=True,
-                                   inventory=inventory, policy_commands=policy_commands)
-        self._keys = [k for k in ("admissible_commands", "won", "lost", "score", "max_score",
-                                  "moves", "objective", "inventory", "policy_commands")
-                      if getattr(infos, k)]
-        self._env = textworld.start(str(self.path), request_infos=infos)
-        self._score = 0
-        self._steps = 0
-
-    def _info(self, state: Any) -> dict[str, Any]:
-        info = {k: state[k] for k in self._keys}
-        if isinstance(info.get("inventory"), str):
-            info["inventory"] = clean_textworld_feedback(info["inventory"])
-        return info
-
-    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        state = self._env.reset()  # a game file is one game: the seed changes nothing
-        self._score, self._steps = state["score"], 0
-        return clean_textworld_feedback(state.feedback), self._info(state)
-
-    def step(self, command: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        state, score, done = self._env.step(textworld_command(command))
-        reward = float(score - self._score)
-        if self.normalize_score:
-            reward /= max(1, state["max_score"])
-        self._score = score
-        self._steps += 1
-        truncated = not done and self.max_steps is not None and self._steps >= self.max_steps
-        return clean_textworld_feedback(state.feedback), reward, bool(done), truncated, \
-            self._info(state)
-
-    def close(self) -> None:
-        self._env.close()
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -338,9 +243,9 @@ def discrete_range(env: Any) -> tuple[int, int] | None:
 
 # -- settings ----------------------------------------------------------------------------------
 
-class GymConfig(EnvConfig):
+class GymConfig(DemonstratorConfig):
     """Settings of a Gymnasium-style env played through Lachesis (``gym:SPEC`` sets
-    ``spec``)."""
+    ``spec``), and of its demonstrator (:mod:`environments.adapters.gym_demonstrator`)."""
 
     max_turns: int = Field(default=16, ge=1)
     """Assistant turns (env steps, at most) per episode; reaching it truncates."""
@@ -679,8 +584,9 @@ async def run_gym_episode(backend: TurnBackend, renderer: ChatRenderer, episode:
 
 # -- the env -----------------------------------------------------------------------------------
 
-class GymEnv(TurnLevelRewardMixin, BaseEnv):
-    """A Gymnasium-style env's episodes, one env step per assistant turn. Subclasses may
+class GymEnv(NoisyDemonstrator, TurnLevelRewardMixin, BaseEnv):
+    """A Gymnasium-style env's episodes, one env step per assistant turn, and its ε-noisy
+    demonstrator (``oracle_messages``, :class:`NoisyDemonstrator`). Subclasses may
     override :meth:`make_env` (an env for an item), :meth:`make_episode` (also how its
     observations read) and :meth:`first_messages`."""
 
@@ -714,7 +620,8 @@ class GymEnv(TurnLevelRewardMixin, BaseEnv):
             [{"role": "user", "content": observation}]
 
     async def setup(self) -> None:
-        """Make and reset the env once (with the network blocked: ``offline_check``)."""
+        """Make and reset the env once (with the network blocked: ``offline_check``); the
+        demonstrator's calibration when ``target_success`` is set."""
         item = (await self.eval_items())[0]
         label = f"gym:{self.config.spec}" if self.config.spec else self.name
         guard = network_blocked() if self.config.offline_check else contextlib.nullcontext([])
@@ -742,6 +649,7 @@ class GymEnv(TurnLevelRewardMixin, BaseEnv):
         if error is not None:
             raise GymEnvError(f"{label}: making and resetting the env failed: "
                               f"{type(error).__name__}: {_brief(error)}") from error
+        await self.setup_demonstrator()
 
     async def get_next_item(self) -> dict[str, Any]:
         seed = self.rng.randrange(self.config.eval_seed_base)

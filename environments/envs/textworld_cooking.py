@@ -4,7 +4,7 @@ generator (``textworld.challenges.tw_cooking``, the First TextWorld Problems' ga
 The player must find the recipe's ingredients, prepare them as the recipe says (slice,
 roast, ...), ``prepare meal`` and ``eat meal``; wrong moves can lose the game (burning an
 ingredient, eating the wrong thing). One command per assistant turn, played through the
-Gymnasium-style adapter (:mod:`environments.adapters.gym_env`, its ``TextWorldGame``).
+Gymnasium-style adapter (:mod:`environments.adapters.gym_env`; ``TextWorldGame``).
 
 * **Games.** Each game is ``cooking.make`` with one seed (the game's ``options.seeds`` and
   its ``recipe_seed``) and the horizon's settings, compiled with Inform 7, and cached in
@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import selectors
 import subprocess
@@ -53,7 +52,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from environments.adapters.gym_env import GymConfig, GymEnv, GymEpisode, TextWorldGame
+from environments.adapters.gym_env import GymConfig, GymEnv, GymEpisode
+from environments.adapters.textworld_game import TextWorldGame
 from environments.framework.item_order import EpochOrder
 
 log = logging.getLogger(__name__)
@@ -115,18 +115,12 @@ class TextWorldCookingConfig(GymConfig):
     model may still type them."""
     budget_factor: float = Field(default=2.0, gt=0)
     """Step budget: this times the game's walkthrough length (rounded up)."""
-    # the demonstrator (oracle_messages, for SFT warm starts)
+    # the demonstrator (oracle_messages, for SFT warm starts; gym_demonstrator's settings)
     demonstrator_epsilon: float | None = Field(default=None, ge=0, le=1)
     """The noisy planner's ε: each of its commands is, with probability ε, one of the shown
     commands at random, else the game's planner's next command, re-planned from the
     current state (so the demonstrations show recoveries). None: calibrated to
     ``target_success`` when that is set, else 0."""
-    target_success: tuple[float, float] | None = None
-    """``[lo, hi]``: at start, find an ε whose demonstrations win a share of the
-    ``calibration_games`` held-out games within it (bisection; an error says so when none
-    can)."""
-    calibration_games: int = Field(default=64, ge=1)
-    """Held-out games the calibration plays (the first of the eval pool)."""
     # the adapter's settings, as this env plays
     action_pattern: str | None = r"^\s*([^\n]*)"
     """The command: the reply's first line."""
@@ -147,13 +141,6 @@ class TextWorldCookingConfig(GymConfig):
             raise ValueError(f"the training seeds {train.start}-{train.stop - 1} overlap the "
                              f"eval seeds {held_out.start}-{held_out.stop - 1}: move "
                              "train_seed_base or eval_seed_base")
-        if self.target_success is not None:
-            lo, hi = self.target_success
-            if not 0 <= lo <= hi <= 1:
-                raise ValueError(f"target_success {list(self.target_success)}: need "
-                                 "0 <= lo <= hi <= 1")
-            if self.demonstrator_epsilon is not None:
-                raise ValueError("set demonstrator_epsilon or target_success, not both")
         unknown = set(self.generator_settings) - {*HORIZONS["short"], "split"}
         if unknown:
             raise ValueError(f"generator_settings: unknown {sorted(unknown)}; TextWorld's "
@@ -359,10 +346,6 @@ class TextWorldCookingEnv(GymEnv):
         self.train_pool: list[dict[str, Any]] = []
         self.eval_pool: list[dict[str, Any]] = []
         self._order = EpochOrder(self.rng)
-        self.epsilon = self.config.demonstrator_epsilon or 0.0
-        self.calibration: list[dict[str, float]] = []
-        """The calibration's tries: ``{"epsilon", "success"}`` each."""
-        self._demonstrations: dict[str, int] = {}
 
     def _item(self, entry: dict[str, Any]) -> dict[str, Any]:
         steps = len(entry["walkthrough"])
@@ -378,9 +361,7 @@ class TextWorldCookingEnv(GymEnv):
         pools = self.manifest["pools"]
         self.train_pool = [self._item(games[str(seed)]) for seed in pools["train"]]
         self.eval_pool = [self._item(games[str(seed)]) for seed in pools["eval"]]
-        await super().setup()  # one game made and reset, the network blocked
-        if config.target_success is not None:
-            self.epsilon = await asyncio.to_thread(self.calibrate, *config.target_success)
+        await super().setup()  # one game made and reset (network blocked), calibration
 
     async def get_next_item(self) -> dict[str, Any]:
         return self._order.next(self.train_pool)
@@ -411,90 +392,29 @@ class TextWorldCookingEnv(GymEnv):
                 {"role": "user", "content": f"{item['objective']}\n\nRecipe:\n{item['recipe']}"
                                             f"\n\n{room}"}]
 
-    # -- the demonstrator ------------------------------------------------------------
-    def demonstrate(self, item: dict[str, Any], epsilon: float,
-                    rng: random.Random) -> tuple[list[dict[str, Any]], bool]:
-        """One episode of the ε-noisy planner, as the policy would see and play it: the
-        messages, and whether it won."""
+    # -- the demonstrator: the game's planner, ε-noisy (gym_demonstrator) ---------------
+    def shown_commands(self, info: dict[str, Any]) -> list[str]:
+        hidden = tuple(self.config.hidden_commands)
+        return [c for c in info.get("admissible_commands") or []
+                if c.split(" ", 1)[0] not in hidden]
+
+    def policy_action(self, observation: str, info: dict[str, Any],
+                      history: list[dict[str, Any]]) -> str | None:
+        """The planner's next command, re-planned from the current state; without a plan
+        one of the shown commands (None: the noise's), or ``look`` when none is shown."""
+        plan = info.get("policy_commands") or []
+        return plan[0] if plan else None if self.shown_commands(info) else "look"
+
+    def noise_action(self, observation: str, info: dict[str, Any],
+                     history: list[dict[str, Any]], pick: float) -> str | None:
+        """One of the shown commands."""
+        shown = self.shown_commands(info)
+        return shown[int(pick * len(shown))] if shown else None
+
+    def demonstration_episode(self, item: dict[str, Any]) -> GymEpisode:
         env = TextWorldGame(item["game"], max_steps=item["budget"], normalize_score=True,
                             policy_commands=True)
-        episode = GymEpisode(env, self.config, item["seed"], self.format)
-        try:
-            messages = self.first_messages(item, episode.reset())
-            hidden = tuple(self.config.hidden_commands)
-            while not episode.done:
-                info = episode.info
-                plan = info.get("policy_commands") or []
-                shown = [c for c in info.get("admissible_commands") or []
-                         if c.split(" ", 1)[0] not in hidden]
-                noisy, pick = rng.random() < epsilon, rng.random()
-                if (noisy or not plan) and shown:
-                    command = shown[int(pick * len(shown))]
-                else:
-                    command = plan[0] if plan else "look"
-                observation, _ = episode.step(command)
-                messages += [{"role": "assistant", "content": command},
-                             {"role": "user", "content": observation}]
-            return messages, bool(episode.info.get("won"))
-        finally:
-            episode.close()
-
-    def demonstrator_success(self, epsilon: float, items: list[dict[str, Any]]) -> float:
-        """The share of ``items`` the ε-noisy planner wins (the same random numbers for
-        every ε: game k draws from ``Random(k)``)."""
-        wins = [self.demonstrate(item, epsilon, random.Random(k))[1]
-                for k, item in enumerate(items)]
-        return sum(wins) / len(wins)
-
-    def calibrate(self, lo: float, hi: float, steps: int = 12) -> float:
-        """An ε whose demonstrator wins a share in ``[lo, hi]`` of the calibration games
-        (bisection: more noise, fewer wins); ValueError, with what was measured, when
-        there is none."""
-        items = self.eval_pool[:self.config.calibration_games]
-
-        def success(epsilon: float) -> float:
-            value = self.demonstrator_success(epsilon, items)
-            self.calibration.append({"epsilon": epsilon, "success": value})
-            log.info("textworld_cooking: demonstrator at epsilon %.4f wins %.3f of %d "
-                     "held-out games", epsilon, value, len(items))
-            return value
-
-        low, high = 0.0, 1.0
-        at_low, at_high = success(low), success(high)
-        if at_low < lo or at_high > hi:
-            raise ValueError(
-                f"target_success [{lo}, {hi}] cannot be reached on {len(items)} held-out "
-                f"games: the demonstrator wins {at_low:.3f} at epsilon 0 and {at_high:.3f} "
-                "at epsilon 1")
-        for value, epsilon in ((at_low, low), (at_high, high)):
-            if lo <= value <= hi:
-                return epsilon
-        for _ in range(steps):
-            middle = (low + high) / 2
-            value = success(middle)
-            if lo <= value <= hi:
-                return middle
-            low, high = (middle, high) if value > hi else (low, middle)
-        tries = ", ".join(f"{t['epsilon']:.4f}: {t['success']:.3f}" for t in self.calibration)
-        raise ValueError(f"target_success [{lo}, {hi}]: no epsilon found in {steps} "
-                         f"bisection steps on {len(items)} held-out games (epsilon: "
-                         f"success {tries}); widen the band or use more calibration_games")
-
-    def demonstrator_summary(self) -> dict[str, Any]:
-        """The demonstrator's ε, and the calibration's tries when ``target_success`` set
-        it (``lachesis run`` writes this to ``warm_start/demonstrator.json``)."""
-        return {"epsilon": self.epsilon, "target_success": self.config.target_success,
-                "calibration_games": len(self.eval_pool[:self.config.calibration_games])
-                if self.config.target_success is not None else 0,
-                "calibration": self.calibration}
-
-    def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        """A demonstration of ``item`` by the ε-noisy planner (``demonstrator_epsilon``,
-        or the calibrated ε): a new one each time the item is drawn."""
-        draw = self._demonstrations.get(item["id"], 0)
-        self._demonstrations[item["id"]] = draw + 1
-        rng = random.Random(f"{self.config.seed}/{item['seed']}/{draw}")
-        return self.demonstrate(item, self.epsilon, rng)[0]
+        return GymEpisode(env, self.config, item["seed"], self.format)
 
     def rollout_metrics(self, item: Any, rollout: Any, scores: Any) -> dict[str, float]:
         return {**super().rollout_metrics(item, rollout, scores),

@@ -389,6 +389,11 @@ class RunConfig(_Section):
                                  "oracle_messages(item) to make demonstrations with")
             check("warm_start.settings", "env", env_class.config_class,
                   self.warm_start.settings)
+            problem = getattr(env_class, "demonstrator_problem", None)
+            problem = problem and problem(env_class.config_class(**self.warm_start.settings))
+            if problem:
+                raise ValueError(f"warm_start.env: {self.warm_start.env} cannot make "
+                                 f"demonstrations: {problem}")
             check("warm_start.train", "train", TrainConfig, self.warm_start.train,
                   model=self.model)
 
