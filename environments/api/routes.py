@@ -114,13 +114,18 @@ async def errors_as_json(request: web.Request, handler):
         return json_response({"error": f"internal error: {type(error).__name__}: {error}"}, 500)
 
 
-async def handle_scored_data(request: web.Request) -> web.Response:
-    api = request.app[API_KEY]
+def decoded(api: RolloutAPI, decode: Callable[[bytes], Any], body: bytes) -> Any:
+    """``decode(body)``; a body it refuses is counted and answered with its status."""
     try:
-        group = decode_group(await read_body(request))
+        return decode(body)
     except WireError as error:
         api.count_rejection("malformed" if error.status == 400 else "invalid")
         raise APIError(error.status, str(error), field=error.field) from None
+
+
+async def handle_scored_data(request: web.Request) -> web.Response:
+    api = request.app[API_KEY]
+    group = decoded(api, decode_group, await read_body(request))
     result = (await api.store_groups([group]))[0]
     if group.env_id is not None:  # the pushing env's queue, this group included
         result.update(api.own_queue(group.env_id))
@@ -129,11 +134,7 @@ async def handle_scored_data(request: web.Request) -> web.Response:
 
 async def handle_scored_data_list(request: web.Request) -> web.Response:
     api = request.app[API_KEY]
-    try:
-        groups = decode_group_list(await read_body(request))
-    except WireError as error:
-        api.count_rejection("malformed" if error.status == 400 else "invalid")
-        raise APIError(error.status, str(error), field=error.field) from None
+    groups = decoded(api, decode_group_list, await read_body(request))
     results = await api.store_groups(groups)
     return json_response({"status": "received", "groups_processed": len(groups),
                           "groups": results})
