@@ -641,9 +641,19 @@ def main() -> int:
         print(args.out.read_text())
         return 0
     check_design(args, design)
+    return run_cells(args, design, "experiments/stress.py", next_cell, progress, run_one)
+
+
+def run_cells(args: argparse.Namespace, design: Any, script: str, next_cell: Any,
+              progress: Any, run_one: Any, stop: Any = None) -> int:
+    """A study's grid, cell after cell, each under ``args.lock``: the next cell's name
+    and the counts (no outcome), its outcome; ``args.one``: one cell (3: the grid is
+    done). ``stop(cell)``: end before that cell (0)."""
     stop_on_sigterm()
-    print("python experiments/stress.py " + shlex.join(sys.argv[1:]), flush=True)
+    print(f"python {script} " + shlex.join(sys.argv[1:]), flush=True)
     while (cell := next_cell(args.results, design)) is not None:
+        if stop is not None and stop(cell):
+            return 0
         # the cell's name only (a confirmation cell's name has no learning rate in it)
         print(f"== {cell.id} ({progress(args.results, design)})", flush=True)
         with cf.held(args.lock):
@@ -652,7 +662,7 @@ def main() -> int:
         if args.one:
             return 0
         time.sleep(5)  # lets whoever waits on the lock in before the next cell
-    print("grid done; `python experiments/stress.py --report` runs the registered analysis")
+    print(f"grid done; `python {script} --report` runs the registered analysis")
     return 3 if args.one else 0
 
 

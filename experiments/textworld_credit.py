@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import shutil
 import statistics
 import sys
@@ -592,21 +591,15 @@ def main() -> int:
         print(args.out.read_text())
         return 0
     check_design(args, design)
-    st.stop_on_sigterm()
-    print("python experiments/textworld_credit.py " + shlex.join(sys.argv[1:]), flush=True)
-    while (cell := next_cell(args.results, design)) is not None:
-        if args.tuning_only and cell.stage != "tuning" and cell.ws != TUNING_WARM_START:
+
+    def tuning_done(cell: Cell) -> bool:
+        done = args.tuning_only and cell.stage != "tuning" and cell.ws != TUNING_WARM_START
+        if done:
             print("tuning stage done (--tuning-only)")
-            return 0
-        print(f"== {cell.id} ({progress(args.results, design)})", flush=True)
-        with cf.held(args.lock):
-            outcome = run_one(args, design, cell)
-        print(f"   {outcome}", flush=True)
-        if args.one:
-            return 0
-        time.sleep(5)  # lets whoever waits on the lock in before the next cell
-    print("grid done; `python experiments/textworld_credit.py --report` runs the analysis")
-    return 3 if args.one else 0
+        return done
+
+    return st.run_cells(args, design, "experiments/textworld_credit.py", next_cell, progress,
+                        run_one, stop=tuning_done)
 
 
 if __name__ == "__main__":
