@@ -6,7 +6,8 @@ process it starts; each process that beats writes ``DIR/NAME.PID.json`` about on
 ``LACHESIS_HEARTBEAT_PERIOD_S`` (default 1 s):
 
     {"name": "trainer", "pid": 4242, "role": "trainer", "at": 1760000000.5,
-     "doing": "step 7: weight sync", "doing_since": 1760000000.1}
+     "doing": "step 7: forward, backward, optimizer", "doing_since": 1760000000.1,
+     "must_progress": true, "progress_at": 1760000000.4}
 
 ``at`` is when it last beat (wall clock, read by the supervisor on the same machine);
 ``doing`` is what its main loop said it was doing last, for the supervisor's message when
@@ -16,6 +17,14 @@ that holds the GIL, stops beating) or from an asyncio task (:meth:`Heartbeat.bea
 the event loop itself turns; a loop blocked by a synchronous call stops beating). A
 process forked from one that beats (vLLM's engine core) beats on its own with
 :func:`beat_in_forked_children`. Without ``LACHESIS_HEARTBEAT_DIR`` nothing is written.
+
+A thread beats on while the main thread waits in a call that let go of the GIL and never
+returns: a collective waiting for a rank that never joins it, a device or a socket that
+never answers. A phase that must end, or show progress, within the process's bound says
+so (``doing(text, must_progress=True)``) and marks its progress (:func:`progressed`: a
+micro-batch done); ``progress_at`` is the last mark, and the supervisor takes a phase
+with no mark for longer than the bound for a hang even while the beats go on. Waits with
+a bound of their own (a batch's ``max_batch_wait_s``) are not such phases.
 """
 
 from __future__ import annotations
@@ -44,18 +53,28 @@ class Heartbeat:
         self.path = self.directory / f"{name}.{self.pid}.json"
         self.doing_text = "starting"
         self.doing_since = time.time()
+        self.must_progress = False
+        self.progress_at = self.doing_since
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def doing(self, text: str) -> None:
-        """What the main loop does now (shown when the beats stop)."""
+    def doing(self, text: str, *, must_progress: bool = False) -> None:
+        """What the main loop does now (shown when the beats stop); ``must_progress``: it
+        must end or mark progress (:meth:`progressed`) within the process's bound."""
+        now = time.time()
         if text != self.doing_text:
-            self.doing_text, self.doing_since = text, time.time()
+            self.doing_text, self.doing_since = text, now
+        self.must_progress, self.progress_at = must_progress, now
+
+    def progressed(self) -> None:
+        """The phase under way moved on (a micro-batch done, a collective returned)."""
+        self.progress_at = time.time()
 
     def beat(self) -> None:
         """Write the beat now (atomically: the supervisor may be reading it)."""
         record = {"name": self.name, "pid": self.pid, "role": self.role, "at": time.time(),
-                  "doing": self.doing_text, "doing_since": self.doing_since}
+                  "doing": self.doing_text, "doing_since": self.doing_since,
+                  "must_progress": self.must_progress, "progress_at": self.progress_at}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -119,12 +138,20 @@ def beat_in_thread(role: str) -> Heartbeat | None:
     return _THREAD_BEATS[pid]
 
 
-def doing(text: str) -> None:
+def doing(text: str, *, must_progress: bool = False) -> None:
     """Tell this process's thread heartbeat what the main loop does now (nothing when it
-    has none)."""
+    has none); ``must_progress``: see :meth:`Heartbeat.doing`."""
     heartbeat = _THREAD_BEATS.get(os.getpid())
     if heartbeat is not None:
-        heartbeat.doing(text)
+        heartbeat.doing(text, must_progress=must_progress)
+
+
+def progressed() -> None:
+    """Mark progress of this process's phase under way (nothing when it has no thread
+    heartbeat): one attribute set, cheap enough for every micro-batch."""
+    heartbeat = _THREAD_BEATS.get(os.getpid())
+    if heartbeat is not None:
+        heartbeat.progressed()
 
 
 def stop_thread_beat() -> None:

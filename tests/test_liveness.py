@@ -124,3 +124,49 @@ def test_a_heartbeat_names_what_the_process_was_doing_and_goes_when_it_ends(tmp_
     (tmp_path / "trainer.999999999.json").write_text('{"pid": 999999999, "at": 0}')
     assert read_beats(tmp_path, "trainer") == []
     assert not (tmp_path / "trainer.999999999.json").exists()
+
+
+# Rank 0 of a two-rank gloo group waits in an all-reduce that rank 1 never joins (gloo
+# lets go of the GIL: rank 0's heartbeat thread beats on; torch's own timeout is 30 min).
+STALLED = ("import os, sys, time, datetime, torch.distributed as dist\n"
+           "sys.path.insert(0, %r)\n"
+           "from environments.heartbeat import beat_in_thread, doing, progressed\n"
+           "rank = int(sys.argv[1]); store = dist.TCPStore('127.0.0.1', int(sys.argv[2]), 2,"
+           " rank == 0)\n"
+           "dist.init_process_group('gloo', store=store, rank=rank, world_size=2)\n"
+           "if rank == 1: time.sleep(3600)\n"
+           "import subprocess, torch\n"
+           "beat_in_thread('trainer'); doing('step 1: waiting for a batch')\n"
+           "time.sleep(float(sys.argv[3]))  # a long wait that is no phase of progress\n"
+           "doing('step 1: forward, backward, optimizer', must_progress=True)\n"
+           "for _ in range(4): time.sleep(0.5); progressed()  # slow, but moving\n"
+           "dist.all_reduce(torch.ones(1))\n" % str(REPO))
+
+
+def test_a_rank_stuck_in_a_collective_is_a_hang_though_its_heartbeat_thread_beats(
+        tmp_path, capsys):
+    sup = supervisor(tmp_path)
+    sup.liveness.watch("trainer", "trainer", beats=True, startup_s=30)
+    sup.restartable = {"trainer": 0}
+    port = free_port()
+    script = tmp_path / "stalled.py"
+    script.write_text(STALLED)
+    # rank 1 under the same guard (its process group is killed with rank 0's)
+    sup.start("trainer", ["sh", "-c", f"{sys.executable} {script} 1 {port} 0 & "
+                          f"exec {sys.executable} {script} 0 {port} 2.5"])
+    sup.config.liveness.hang_timeout_s.trainer = 1.5
+    beats = sup.run_dir / "heartbeat"
+    try:
+        watch_until(sup, lambda: read_beats(beats, "trainer"), 30)
+        started = time.monotonic()
+        with pytest.raises(RunFailed, match=r"trainer \(trainer, this machine, pid \d+\) has "
+                           r"made no progress in trainer step 1: forward, backward, optimizer"
+                           r" \(its heartbeat still beats"):
+            watch_until(sup, lambda: False, 30)
+        took = time.monotonic() - started
+        # not during the 2.5 s wait for a batch, nor the 2 s of slow progress: after them,
+        # within the bound (+ a check period)
+        assert 2.5 + 2.0 + 1.5 - 0.3 < took < 2.5 + 2.0 + 1.5 + 4.0, took
+        assert "more than liveness.hang_timeout_s.trainer 1.5 s" in capsys.readouterr().out
+    finally:
+        sup.stop_all()

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from environments.api.client import RejectedGroup
-from environments.heartbeat import beat_in_thread, doing, stop_thread_beat
+from environments.heartbeat import beat_in_thread, doing, progressed, stop_thread_beat
 from trainer.advantages import compute_group_advantages
 from trainer.batch import (
     BatchError,
@@ -278,6 +278,7 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
         else:
             weight = mb_tokens / n_tokens
         (loss * weight * (world if sharded else 1)).backward()
+        progressed()  # a micro-batch done (liveness: a stuck one is a hang)
         totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * weight
         for key, value in metrics.items():
             if key != "n_tokens":
@@ -290,6 +291,7 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
                 if parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
                 dist.all_reduce(parameter.grad)
+            progressed()
         # A rank with no trained tokens has no metric names: agree on them first.
         names: list[Any] = [None] * world
         dist.all_gather_object(names, sorted(totals))
@@ -304,6 +306,7 @@ def train_step(model, optimizer, batch: TrainBatch, config: TrainConfig, *,
             norm = norm.full_tensor()
         totals["grad_norm"] = float(norm)
     optimizer.step()
+    progressed()
     totals["trained_tokens"] = n_tokens
     return totals
 
@@ -600,7 +603,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(step, config)
                 values["lr"] = optimizer.param_groups[0]["lr"]
-            doing(f"step {step + 1}: forward, backward, optimizer")
+            doing(f"step {step + 1}: forward, backward, optimizer", must_progress=True)
             if tensors is not None:
                 with clock("train"):
                     values.update(train_steps(model, optimizer, tensors, config,
@@ -635,7 +638,7 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
             values["step_seconds"] = seconds
             values["tokens_per_second"] = values.get("trained_tokens", 0) / seconds
             if checkpoints:
-                doing(f"step {version}: checkpoint")
+                doing(f"step {version}: checkpoint", must_progress=True)
                 with clock("checkpoint"):
                     save_checkpoint(run_dir, version, model, optim, tokenizer,
                                     source.position, weights, keep=config.keep_checkpoints,

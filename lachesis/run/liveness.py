@@ -195,4 +195,16 @@ class Liveness:
             return Hang(w.name, w.kind, f"{address}, pid {oldest.get('pid')}", silent,
                         hang_s, setting, f"has sent no heartbeat (last: {oldest.get('role')} "
                         f"{doing}, for {since:.0f} s)")
+        # beating, but stuck in a phase that must show progress (environments/heartbeat.py):
+        # a call that let go of the GIL and never returns (a collective, a device, a socket)
+        stalled = [b for b in beats if b.get("must_progress")]
+        if hang_s is not None and stalled:
+            first = min(stalled, key=lambda b: float(b.get("progress_at", time.time())))
+            still = time.time() - float(first.get("progress_at", time.time()))
+            if still > hang_s:
+                return Hang(w.name, w.kind, f"{address}, pid {first.get('pid')}", still,
+                            hang_s, setting, f"has made no progress in {first.get('role')} "
+                            f"{first.get('doing') or '-'} (its heartbeat still beats: a call "
+                            "that let go of Python's GIL has not returned, such as a "
+                            "collective waiting for another rank)")
         return None
