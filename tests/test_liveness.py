@@ -33,7 +33,8 @@ def supervisor(tmp_path: Path) -> Supervisor:
         "name": "live", "runs_dir": str(tmp_path), "model": "unused",
         "envs": [{"name": "arithmetic_tool"}], "restart_backoff_s": 0.0,
         "liveness": {"check_every_s": 0.2, "heartbeat_period_s": 0.2,
-                     "health_timeout_s": 0.5, "hang_timeout_s": {"env": 1.0, "api": 1.5}}})
+                     "health_timeout_s": 0.5, "hang_timeout_s": {"env": 1.0, "api": 1.5,
+                                                               "trainer": 1.5}}})
     sup = Supervisor(config, live=False)
     sup.run_dir.mkdir(parents=True)
     sup.liveness = Liveness(config.liveness, sup.run_dir / "heartbeat", sup.answers)
@@ -128,14 +129,13 @@ def test_a_heartbeat_names_what_the_process_was_doing_and_goes_when_it_ends(tmp_
 
 # Rank 0 of a two-rank gloo group waits in an all-reduce that rank 1 never joins (gloo
 # lets go of the GIL: rank 0's heartbeat thread beats on; torch's own timeout is 30 min).
-STALLED = ("import os, sys, time, datetime, torch.distributed as dist\n"
+STALLED = ("import sys, time, torch, torch.distributed as dist\n"
            "sys.path.insert(0, %r)\n"
            "from environments.heartbeat import beat_in_thread, doing, progressed\n"
            "rank = int(sys.argv[1]); store = dist.TCPStore('127.0.0.1', int(sys.argv[2]), 2,"
            " rank == 0)\n"
            "dist.init_process_group('gloo', store=store, rank=rank, world_size=2)\n"
            "if rank == 1: time.sleep(3600)\n"
-           "import subprocess, torch\n"
            "beat_in_thread('trainer'); doing('step 1: waiting for a batch')\n"
            "time.sleep(float(sys.argv[3]))  # a long wait that is no phase of progress\n"
            "doing('step 1: forward, backward, optimizer', must_progress=True)\n"
@@ -154,7 +154,6 @@ def test_a_rank_stuck_in_a_collective_is_a_hang_though_its_heartbeat_thread_beat
     # rank 1 under the same guard (its process group is killed with rank 0's)
     sup.start("trainer", ["sh", "-c", f"{sys.executable} {script} 1 {port} 0 & "
                           f"exec {sys.executable} {script} 0 {port} 2.5"])
-    sup.config.liveness.hang_timeout_s.trainer = 1.5
     beats = sup.run_dir / "heartbeat"
     try:
         watch_until(sup, lambda: read_beats(beats, "trainer"), 30)

@@ -197,10 +197,10 @@ class Liveness:
                         f"{doing}, for {since:.0f} s)")
         # beating, but stuck in a phase that must show progress (environments/heartbeat.py):
         # a call that let go of the GIL and never returns (a collective, a device, a socket)
-        stalled = [b for b in beats if b.get("must_progress")]
+        stalled = [b for b in beats if b.get("must_progress") and "progress_at" in b]
         if hang_s is not None and stalled:
-            first = min(stalled, key=lambda b: float(b.get("progress_at", time.time())))
-            still = time.time() - float(first.get("progress_at", time.time()))
+            first = min(stalled, key=lambda b: float(b["progress_at"]))
+            still = time.time() - float(first["progress_at"])
             if still > hang_s:
                 return Hang(w.name, w.kind, f"{address}, pid {first.get('pid')}", still,
                             hang_s, setting, f"has made no progress in {first.get('role')} "
