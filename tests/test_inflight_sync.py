@@ -102,12 +102,13 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
                 while await generated_tokens(session) - before < 300:
                     assert time.monotonic() < deadline and not rollouts.done()
                     await asyncio.sleep(0.05)
-            assert not rollouts.done()
-            started = time.monotonic()
-            seconds = await sync.reload(path_b)
-            synced_at = time.monotonic()
-            await rollouts
-            after = time.monotonic() - synced_at
+                assert not rollouts.done()
+                await sync.reload(path_b)
+                synced = await generated_tokens(session)
+                await rollouts
+                # tokens generated after the sync returned (counted, not timed: the ratio
+                # of generation to sync time differs from machine to machine)
+                after = await generated_tokens(session) - synced
             if forced is not None:
                 assert (await forced).token_ids == FORCED
             generating = busy.take()  # vLLM's busy share while the rollouts ran
@@ -117,16 +118,17 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
             # (samples before the turns start and while the sync swaps the weights count
             # as idle: 0.75 and above measured)
             assert generating > 0.5 and idle == 0.0, (generating, idle)
-            return seconds, synced_at - started, after, env._pool.stats.continued
+            return after, env._pool.stats.continued
         finally:
             await env.close()
 
     try:
-        seconds, _, generated_after, continued = asyncio.run(scenario())
+        generated_after, continued = asyncio.run(scenario())
     finally:
         asyncio.run(reload_original(vllm_server))
-    # the sync did not wait for the generations: they went on for a while after it
-    assert generated_after > 3 * seconds, (seconds, generated_after)
+    # the sync did not wait for the generations: most of the group's 2 x LONG tokens
+    # (under 400 came before it) were generated after it returned
+    assert generated_after > LONG, generated_after
     # each aborted once (abort: the forced request too)
     assert continued == {"keep": 0, "keep-stale": 0, "abort": 3}[pause]
 
