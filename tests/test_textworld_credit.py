@@ -6,14 +6,20 @@ the trainer: minutes each) are replaced by their outcomes; the study runs them f
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
+import os
 import random
+import shutil
 import statistics
+import subprocess
+import time
 
 import pytest
 from test_confirmatory import fake_runs
 from test_stress import REPO, holm_rejects, load, permutation_p_by_enumeration, t_sf_by_integration
+from third_party import statcheck_python
 
 
 def write_warm_start(results, horizon, seed, success):
@@ -221,3 +227,143 @@ def test_registered_tests_against_independent_implementations(tmp_path):
     assert "| long | 4 | 0.500 | 0.500 | 0.140 [0.090, 0.190] | yes | ws4 |" in text
     assert "Tests, primary: long, success" in text and "| gigpo - grpo | -" in text
     assert (tmp_path / "report.png").stat().st_size > 0
+
+
+# --- the independent check (experiments/textworld_credit_check.py) ----------------------------
+
+# the synthetic grid: each warm start's wins of the 256 held-out games (None: failed 3
+# times); short seed 2 and long seed 4 are outside their bands, long seed 2 fails
+WARM_START_WINS = {"short": {0: 80, 1: 90, 2: 160, 3: 100, 4: 95, 5: 110},
+                   "long": {1: 40, 2: None, 3: 30, 4: 10, 5: 50, 6: 35}}
+FAILED_RUNS = {"confirmation/long/ws1/grpo-seed500",
+               "confirmation/long/ws2/mt_grpo_unbiased-seed511",
+               "confirmation/long/ws3/turn_rtg-seed522", "confirmation/long/ws4/gigpo-seed530",
+               "confirmation/short/ws2/turn_rtg-seed411"}
+
+
+def registered_grid(tw, results, monkeypatch):
+    """The registered design's whole grid driven through the runner's own ``next_cell``,
+    each attempt's manifest line as ``run_one`` writes it and each cell's files as kept,
+    the runs replaced by outcomes (shares of 256 games). Some cells fail 3 times: at the
+    long horizon one of each of four arms (the runner's p is then exact for every
+    comparison but mt_grpo - grpo_merged's, drawn at random), one at the short (its arm's
+    TOST and interaction are not made)."""
+    design = tw.Design()
+    args = argparse.Namespace(runs_dir=results.parent / "runs", results=results)
+    rng = random.Random(11)
+    gain = {"grpo": 0.0, "grpo_merged": 0.02, "mt_grpo": 0.06, "mt_grpo_unbiased": 0.07,
+            "turn_rtg": 0.03, "gigpo": -0.3}
+    # the configs read once (pure-Python YAML: 25 ms a read), written into the manifest at
+    # the end (next_cell reads it at every step)
+    parsed, configs = {}, []
+    safe_load = tw.yaml.safe_load
+    monkeypatch.setattr(tw.yaml, "safe_load", lambda text: copy.deepcopy(
+        parsed[text] if text in parsed else parsed.setdefault(text, safe_load(text))))
+
+    def record(cell, outcome, config, **extra):
+        configs.append(config)
+        tw.cf.record(results, {
+            "cell": cell.id, "stage": cell.stage, "warm_start": cell.ws, "arm": cell.arm,
+            "seed": cell.seed, "lr": cell.lr, "commit": "2d535c5" + "0" * 33, "dirty": False,
+            "packages_sha256": "4650b9df" + "0" * 56, "horizon": cell.horizon,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra,
+            "outcome": outcome, "seconds": 1.0})
+
+    stopped_once = False
+    while (cell := tw.next_cell(results, design)) is not None:
+        if cell.stage == "warm-start":
+            wins = WARM_START_WINS[cell.horizon][cell.ws]
+            config = tw.tws.seed_config(cell.ws, args.runs_dir, tw.CONFIGS[cell.horizon])
+            if wins is None:
+                record(cell, "failed", config, error="synthetic")
+                continue
+            write_warm_start(results, cell.horizon, cell.ws, wins / 256)
+            path = results / cell.id / "summary.json"
+            summary = json.loads(path.read_text())
+            summary["band"] = list(tw.BANDS[cell.horizon])
+            summary["evaluation"].update(items=256, failed=0,
+                                         success_ci95=list(tw.wilson(wins, 256)[1:]))
+            path.write_text(json.dumps(summary))
+            record(cell, "finished", config)
+            continue
+        ws_cell = tw.warm_start_of(results, cell)
+        start = json.loads((results / ws_cell.id / "summary.json").read_text())
+        config = tw.rl_config(args, design, cell, "model").model_dump(mode="json")
+        extra = {"warm_start_cell": ws_cell.id, "warm_start_sha256": start["sha256"]}
+        if cell.id in FAILED_RUNS:
+            record(cell, "failed", config, error="synthetic", **extra)
+            continue
+        if not stopped_once:
+            stopped_once = True
+            record(cell, "stopped", config, **extra)
+        level = start["evaluation"]["success"] + (0.25 if cell.horizon == "short" else 0.05)
+        level += (gain[cell.arm] if cell.horizon == "long" else 0.0) + rng.gauss(0, 0.03)
+        wins = min(256, max(0, round(256 * level)))
+        (results / cell.id / "trainer").mkdir(parents=True, exist_ok=True)
+        (results / cell.id / "trainer" / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i, "env/won": wins / 256 * i / 40}) + "\n" for i in range(1, 41)))
+        (results / cell.id / "summary.json").write_text(json.dumps(
+            {"after": {"textworld_cooking": {"success": wins / 256, "items": 256, "failed": 0}}}))
+        record(cell, "finished", config, **extra)
+    entries = tw.cf.read_manifest(results)
+    (results / "manifest.jsonl").write_text("".join(
+        json.dumps({**e, "config": config}) + "\n" for e, config in zip(entries, configs)))
+    return design
+
+
+def test_the_independent_check_agrees_with_the_report_and_finds_what_differs(tmp_path,
+                                                                            monkeypatch):
+    """``experiments/textworld_credit_check.py`` (numpy, scipy, statsmodels, in a venv of
+    their own) on the report of a synthetic registered grid: every number agrees; a
+    changed Holm p, and a cell gone from the grid, are found. Synthetic runs only: the
+    study's own results are not read before its analysis point."""
+    tw = load("textworld_credit")
+    results = tmp_path / "results"
+    design = registered_grid(tw, results, monkeypatch)
+    assert design.registered
+    monkeypatch.setattr(tw, "plot", lambda *args: None)  # no number in it
+    report = tmp_path / "report.md"
+    report.write_text(tw.report(argparse.Namespace(results=results, out=report), design))
+    text = report.read_text()
+    assert "Tests, primary: long, success" in text and "| mt_grpo - grpo | " in text
+
+    def check(report, results=results):
+        done = subprocess.run(
+            [str(statcheck_python()), str(REPO / "experiments" / "textworld_credit_check.py"),
+             "--report", str(report), "--results", str(results)],
+            capture_output=True, text=True, timeout=300,
+            # its modules compiled once, not at every start (uv installs no bytecode)
+            env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+        return done.returncode, done.stdout + done.stderr
+
+    rc, out = check(report)
+    assert rc == 0, out
+    assert "(all match)" in out and "DIFFERS" not in out
+    # the short horizon's failed turn_rtg cell: no TOST or interaction for that arm
+    assert "NOTE: equivalence, short, turn_rtg - grpo: not made" in out
+    assert "NOTE: interaction, turn_rtg - grpo_merged: not made" in out
+
+    # one Holm p of the primary family changed
+    lines = text.splitlines()
+    at = lines.index(next(x for x in lines if x.startswith("Tests, primary: long, success")))
+    row = next(i for i in range(at, len(lines)) if lines[i].startswith("| mt_grpo - grpo |"))
+    cells = lines[row].split("|")
+    holm = float(cells[4])
+    cells[4] = f" {tw.cf.p_text(min(1.0, holm + 0.05) if holm < 0.9 else holm - 0.05)} "
+    lines[row] = "|".join(cells)
+    tampered = tmp_path / "tampered.md"
+    tampered.write_text("\n".join(lines))
+    rc, out = check(tampered)
+    assert rc == 1, out
+    differs = [x for x in out.splitlines() if x.startswith("DIFFERS")]
+    assert len(differs) == 1 and "Tests, primary: long, success: mt_grpo - grpo Holm p" in \
+        differs[0], out
+
+    # a registered cell gone
+    fewer = tmp_path / "fewer"
+    shutil.copytree(results, fewer)
+    shutil.rmtree(fewer / "confirmation" / "long" / "ws2" / "grpo-seed511")
+    rc, out = check(report, fewer)
+    assert rc == 1, out
+    assert ("DIFFERS: confirmation/long/ws2/grpo-seed511: neither finished nor failed 3 "
+            "times") in out

@@ -96,3 +96,10 @@ def openenv_python() -> Path:
     """A venv with the ``openenv`` extra (openenv-core 0.3.0, which brings uvicorn), to run
     OpenEnv servers."""
     return third_party_venv("openenv", requirements("openenv"))
+
+
+def statcheck_python() -> Path:
+    """A venv with numpy, scipy and statsmodels, for the studies' independent checks
+    (``experiments/stress_check.py``, ``experiments/textworld_credit_check.py``), which
+    import nothing of the project's."""
+    return third_party_venv("statcheck", ["numpy", "scipy", "statsmodels"])
