@@ -36,6 +36,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _TOKENIZER_CLASSES = tempfile.mkdtemp(prefix="lachesis-tokenizer-classes-")
 atexit.register(shutil.rmtree, _TOKENIZER_CLASSES, ignore_errors=True)
 os.environ.setdefault("LACHESIS_TOKENIZER_CLASSES", _TOKENIZER_CLASSES)
+# gloo's pairs (torchrun's ranks, a Ray run's, vLLM's own groups) on the loopback
+# interface: gloo otherwise binds the address the machine's hostname resolves to, which is
+# 127.0.0.1 on some machines and a network interface's address on others; the tests talk
+# only to 127.0.0.1.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 REPO = Path(__file__).resolve().parent.parent
 

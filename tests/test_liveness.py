@@ -131,7 +131,6 @@ def test_a_heartbeat_names_what_the_process_was_doing_and_goes_when_it_ends(tmp_
 # lets go of the GIL: rank 0's heartbeat thread beats on; torch's own timeout is 30 min).
 STALLED = ("import os, sys, time, torch, torch.distributed as dist\n"
            "sys.path.insert(0, %r)\n"
-           "os.environ['GLOO_SOCKET_IFNAME'] = 'lo'  # gloo on 127.0.0.1, not the hostname's\n"
            "from environments.heartbeat import beat_in_thread, doing, progressed\n"
            "rank = int(sys.argv[1]); store = dist.TCPStore('127.0.0.1', int(sys.argv[2]), 2,"
            " rank == 0)\n"
