@@ -31,9 +31,7 @@ from ``credit_assignment.py``, the tests from ``stats.py``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import platform
 import shlex
 import shutil
 import signal
@@ -48,6 +46,7 @@ sys.path.insert(0, str(REPO / "experiments"))
 import confirmatory as cf  # noqa: E402
 import credit_assignment as ca  # noqa: E402
 from stats import holm, stratified_permutation, t_interval, tost, wilson  # noqa: E402
+from venv_pin import packages  # noqa: E402
 
 from lachesis.run.config import RunConfig  # noqa: E402
 from lachesis.run.supervisor import Supervisor, run_quietly  # noqa: E402
@@ -227,17 +226,6 @@ def progress(results: Path, design: Design) -> str:
 
 
 # --- one cell -----------------------------------------------------------------------------
-
-def packages() -> tuple[str, str]:
-    """The interpreter's installed distributions (``name==version``, sorted) and Python,
-    and the sha256 of that text: the venv a cell ran in."""
-    from importlib import metadata
-
-    names = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
-                    if d.metadata["Name"]}, key=str.lower)
-    text = f"# Python {platform.python_version()} {platform.machine()}\n" + "\n".join(names) + "\n"
-    return text, hashlib.sha256(text.encode()).hexdigest()
-
 
 def entry_for(args: argparse.Namespace, cell: Cell) -> dict[str, Any]:
     text, digest = packages()

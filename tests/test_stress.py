@@ -6,6 +6,7 @@ No run starts here (the runs take minutes); the study's first cells ran for real
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
@@ -362,3 +363,50 @@ def test_registered_tests_and_report_on_hand_made_runs(tmp_path):
     assert f"MT-GRPO {again['difference']['mt_grpo']:+.3f}, p " in line
     assert again["p"] != tests["accuracy"]["p"]
     assert (tmp_path / "report.png").stat().st_size > 0
+
+
+def test_a_venv_that_drifted_is_pinned_back_to_the_recorded_package_list(tmp_path):
+    """A fresh machine's `make install` resolves newer versions than a study's cells
+    recorded: ``venv_pin.py`` puts the recorded ones back (a changed version, an added
+    package) until the venv's list hashes to the recorded one, and refuses a list from
+    another Python rather than half-pin it."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    uv = Path(sys.executable).parent / "uv"  # `make install` puts uv in the venv (2 s faster)
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([str(uv), "venv", "-q", "--seed", "--python", base, str(venv)]
+                   if uv.exists() else [sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+
+    def pip(*specs):
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *specs],
+                       check=True, timeout=300)
+
+    def pin(*flags, listing):
+        return subprocess.run([sys.executable, str(REPO / "experiments" / "venv_pin.py"),
+                               "--python", str(python), *flags, str(listing)],
+                              capture_output=True, text=True, timeout=300)
+
+    pip("six==1.17.0")
+    recorded = subprocess.run([str(python), str(REPO / "experiments" / "venv_pin.py"),
+                               "--list"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256(recorded.encode()).hexdigest()
+    listing = tmp_path / "packages" / f"{digest}.txt"
+    listing.parent.mkdir()
+    listing.write_text(recorded)
+    assert pin("--check", listing=listing).returncode == 0
+    pip("six==1.16.0", "idna==3.10")  # the drift
+    check = pin("--check", listing=listing)
+    assert check.returncode == 1
+    assert "differs: six==1.17.0 recorded" in check.stdout
+    assert "differs: idna not in the list" in check.stdout
+    done = pin(listing=listing)
+    assert done.returncode == 0 and "is the recorded one" in done.stdout, done.stdout + done.stderr
+    assert pin("--check", listing=listing).returncode == 0
+    text = recorded.replace("# Python ", "# Python 2.7.0 was ", 1)
+    other = tmp_path / "packages" / f"{hashlib.sha256(text.encode()).hexdigest()}.txt"
+    other.write_text(text)
+    refused = pin(listing=other)
+    assert refused.returncode == 2 and "build the venv with that Python" in refused.stderr
