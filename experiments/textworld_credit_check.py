@@ -220,9 +220,10 @@ def registered_tests(values: dict[str, dict]) -> tuple[dict[str, dict], list[str
                 x, y = strata(values.get(h, {}), arm, base, key)
                 if x:
                     d, p = sc.exact_stratified_p(x, y)
-                    low, high = p_bounds(p, relabellings(x, y))
+                    count = relabellings(x, y)
+                    low, high = p_bounds(p, count)
                     tests[f"{arm} - {base}"] = {"difference": d, "p": p, "p_low": low,
-                                                "p_high": high, "relabellings": relabellings(x, y)}
+                                                "p_high": high, "relabellings": count}
         out[family] = with_holm(tests)
 
     def floats(h: str, arm: str, base: str) -> tuple[list, list]:

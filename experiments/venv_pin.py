@@ -100,10 +100,12 @@ def main() -> int:
         print(f"differs: {spec} recorded")
     for name in remove:
         print(f"differs: {name} not in the list")
-    if args.check or not (install or remove):
-        print(f"{args.python}: {'the recorded list' if not (install or remove) else 'differs'}"
-              f" ({wanted[:12]}...)")
-        return 1 if install or remove else 0
+    if not (install or remove):
+        print(f"{args.python}: the recorded list ({wanted[:12]}...)")
+        return 0
+    if args.check:
+        print(f"{args.python}: differs ({wanted[:12]}...)")
+        return 1
     if install:
         subprocess.run([str(args.python), "-m", "pip", "install", "-q", "--no-deps", *install],
                        check=True)
