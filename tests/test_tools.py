@@ -217,7 +217,7 @@ def test_sync_timeout_does_not_block_the_event_loop():
         return elapsed, ticks
 
     elapsed, ticks = run(main())
-    assert elapsed < 5.0  # the 0.2 s timeout, not the 10 s block
+    assert elapsed < 1.0
     assert ticks >= 5  # the loop kept running while the tool blocked its thread
 
 
