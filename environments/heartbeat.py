@@ -101,9 +101,15 @@ class Heartbeat:
             self.beat()
             await asyncio.sleep(self.period_s)
 
-    def stop(self) -> None:
-        """Stop beating and remove the file (a process that ends is not a hung one)."""
+    def stop(self, *, keep_file: bool = False) -> None:
+        """Stop beating and remove the file (a process that ends is not a hung one);
+        ``keep_file``: leave the last beat for another heartbeat of this process to go on
+        from (no moment without a beat for the supervisor to read)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.period_s + 1.0)  # no beat written after this
+        if keep_file:
+            return
         try:
             self.path.unlink()
         except OSError:
@@ -154,11 +160,12 @@ def progressed() -> None:
         heartbeat.progressed()
 
 
-def stop_thread_beat() -> None:
-    """Stop this process's thread heartbeat (it ends: not a hung process)."""
+def stop_thread_beat(*, keep_file: bool = False) -> None:
+    """Stop this process's thread heartbeat (it ends: not a hung process; ``keep_file``:
+    another heartbeat of the process takes over, see :meth:`Heartbeat.stop`)."""
     heartbeat = _THREAD_BEATS.pop(os.getpid(), None)
     if heartbeat is not None:
-        heartbeat.stop()
+        heartbeat.stop(keep_file=keep_file)
 
 
 _FORK_HOOKED: list[str] = []

@@ -243,7 +243,7 @@ def _run_env(argv: list[str]) -> int:
         env = env_class(config)
         started = False
         try:
-            await env.start()
+            await _start_beating(env, handing_over=known.action == "serve")
             started = True
             if known.action == "serve":
                 return await env.serve()
@@ -258,6 +258,24 @@ def _run_env(argv: list[str]) -> int:
             await env.close()
 
     return _run_and_print(f"lachesis env {known.action}", main())
+
+
+async def _start_beating(env, *, handing_over: bool) -> None:
+    """``env.start()`` (its ``setup()``: TextWorld games made, a dataset read) with a beat
+    from a thread under ``lachesis run``: a slow start that computes is not taken for a
+    hang at the start-up timeout, a frozen one is named after ``hang_timeout_s.env``.
+    ``handing_over``: the serve loop's own beat goes on from the last one."""
+    from environments import heartbeat
+
+    beat = heartbeat.beat_in_thread("env")
+    if beat is not None:
+        beat.doing(f"starting: connecting to inference, then {type(env).__name__}.setup()")
+    try:
+        await env.start()
+    except BaseException:
+        heartbeat.stop_thread_beat()
+        raise
+    heartbeat.stop_thread_beat(keep_file=handing_over)
 
 
 def _print_stats(prog: str, env) -> None:

@@ -4,7 +4,8 @@ the rollout API does) are SIGSTOPped; the supervisor names each within its
 ``hang_timeout_s`` plus a check period and a health check's wait, kills it with SIGKILL
 and restarts it through
 the path a dead process takes, and once the restarts are spent the run stops saying
-what hung. About 6 s wall, 2 s CPU."""
+what hung. A real ``lachesis env serve`` beats through a slow ``setup()``. About 20 s
+wall, 8 s CPU."""
 
 from __future__ import annotations
 
@@ -167,5 +168,61 @@ def test_a_rank_stuck_in_a_collective_is_a_hang_though_its_heartbeat_thread_beat
         # within the bound (+ a check period)
         assert 2.5 + 2.0 + 1.5 - 0.3 < took < 2.5 + 2.0 + 1.5 + 4.0, took
         assert "more than liveness.hang_timeout_s.trainer 1.5 s" in capsys.readouterr().out
+    finally:
+        sup.stop_all()
+
+
+# An env whose setup() computes for longer than the run's bound between beats, in a
+# synchronous call that blocks the event loop (as TextWorld's game generation does): it
+# finishes when the test says so.
+SLOW_SETUP = '''import time
+from pathlib import Path
+from environments import BaseEnv
+
+class SlowSetup(BaseEnv):
+    name = "slow"
+
+    async def setup(self):
+        here = Path(__file__).parent
+        while not (here / "go").exists():
+            time.sleep(0.05)
+        (here / "set-up").touch()
+'''
+
+
+def test_an_env_server_beats_through_a_slow_setup_and_a_frozen_one_is_named(
+        tmp_path, tiny_model_dir, capsys):
+    sup = supervisor(tmp_path)
+    (tmp_path / "slow_env.py").write_text(SLOW_SETUP)
+    sup.liveness.watch("env-slow", "env", beats=True, startup_s=60)
+    sup.restartable = {"env-slow": 1}
+    sup.start("env-slow", [
+        sys.executable, "-m", "lachesis.cli", "env", "serve", f"{tmp_path}/slow_env.py:SlowSetup",
+        "--tokenizer", str(tiny_model_dir), "--inference", "openai", "--model", "x",
+        "--openai-base-url", f"http://127.0.0.1:{free_port()}/v1",
+        "--api-url", f"http://127.0.0.1:{free_port()}"])  # no API yet: it waits for one
+    beats = sup.run_dir / "heartbeat"
+
+    def doing() -> str:
+        return " ".join(b.get("doing", "") for b in read_beats(beats, "env-slow"))
+
+    try:
+        # its setup beats from the start (a frozen one is named by what it was doing)...
+        watch_until(sup, lambda: "then SlowSetup.setup()" in doing(), 60)
+        os.kill(pid_of(sup, "env-slow"), signal.SIGSTOP)
+        watch_until(sup, lambda: sup.restarts.get("env-slow") == 1, 15)
+        out = capsys.readouterr().out
+        assert "has sent no heartbeat (last: env starting: connecting to inference, then " \
+            "SlowSetup.setup()" in out and "more than liveness.hang_timeout_s.env" in out, out
+        # ...and a setup that computes three bounds long is no hang: it sets up, and the
+        # serve loop's beat takes over from the setup's, with no moment between unbeaten
+        watch_until(sup, lambda: "then SlowSetup.setup()" in doing(), 60)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            sup.check_alive()
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        watch_until(sup, lambda: "registering with the rollout API" in doing(), 15)
+        assert (tmp_path / "set-up").exists() and sup.restarts == {"env-slow": 1}
     finally:
         sup.stop_all()

@@ -14,7 +14,9 @@ watches:
 
 A process whose last answer (or oldest last beat) is older than its kind's
 ``liveness.hang_timeout_s`` is hung; before its first answer after a (re)start, the
-bound is its start-up timeout (a vLLM start, a trainer loading its model). The supervisor
+bound is its start-up timeout (``vllm.startup_timeout_s`` for a vLLM start,
+``startup_timeout_s`` for the others; an env server beats from its start on, so its
+``setup()`` has ``hang_timeout_s.env`` between beats instead). The supervisor
 then names it (kind, name, address, how long, what it was doing), kills its process
 group with SIGKILL (a SIGSTOPped process acts on nothing else) and restarts it like one
 that died. Heartbeat files are read on this machine only: on a Ray cluster the
@@ -48,6 +50,8 @@ class Watched:
     """It writes heartbeats (and must, once started)."""
     startup_s: float
     """The bound before its first answer or beat after a start."""
+    startup_setting: str = "startup_timeout_s"
+    """The setting that gave ``startup_s`` (named when the bound is passed)."""
     where: str | None = None
     """Asked from this place of the placement (None: from here)."""
     started: float = field(default_factory=time.monotonic)
@@ -126,12 +130,13 @@ class Liveness:
                 PERIOD_VARIABLE: f"{self.settings.heartbeat_period_s:g}"}
 
     def watch(self, name: str, kind: str, *, health_url: str | None = None,
-              beats: bool = False, startup_s: float, where: str | None = None) -> None:
+              beats: bool = False, startup_s: float, where: str | None = None,
+              startup_setting: str = "startup_timeout_s") -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown kind {kind!r} of process {name}")
         self.watched[name] = Watched(name, kind, health_url,
                                      beats and self.heartbeat_dir is not None, startup_s,
-                                     where)
+                                     startup_setting, where)
 
     def started(self, name: str) -> None:
         """``name`` was (re)started: its clock starts over, its old beats are gone."""
@@ -163,7 +168,7 @@ class Liveness:
     def check_one(self, w: Watched) -> Hang | None:
         hang_s = self.bound(w.kind)
         setting = f"liveness.hang_timeout_s.{w.kind}"
-        startup = "its start-up timeout"
+        startup = w.startup_setting
         asked = time.monotonic()
         answered = w.health_url is not None and self.answers(
             w.where, w.health_url, self.settings.health_timeout_s)

@@ -319,11 +319,13 @@ class Supervisor:
                    startup_s=config.startup_timeout_s)
         for replica in layout.replicas:
             live.watch(replica.name, "vllm", health_url=replica.url + "/health", beats=True,
-                       startup_s=config.vllm.startup_timeout_s)
-        for backend, env in zip(layout.backends,
-                                [e for e in config.envs if e.server is not None]):
+                       startup_s=config.vllm.startup_timeout_s,
+                       startup_setting="vllm.startup_timeout_s")
+        for backend, (i, env) in zip(layout.backends, [
+                (i, e) for i, e in enumerate(config.envs) if e.server is not None]):
             live.watch(backend.name, "server", health_url=backend.health_url,
-                       startup_s=env.server.startup_timeout_s, where=backend.where)
+                       startup_s=env.server.startup_timeout_s, where=backend.where,
+                       startup_setting=f"envs[{i}].server.startup_timeout_s")
         if layout.bridge is not None:
             live.watch(layout.bridge.name, "server", health_url=layout.bridge.health_url,
                        startup_s=config.startup_timeout_s)
