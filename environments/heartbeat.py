@@ -7,7 +7,7 @@ process it starts; each process that beats writes ``DIR/NAME.PID.json`` about on
 
     {"name": "trainer", "pid": 4242, "role": "trainer", "at": 1760000000.5,
      "doing": "step 7: forward, backward, optimizer", "doing_since": 1760000000.1,
-     "must_progress": true, "progress_at": 1760000000.4}
+     "must_progress": true, "progress_at": 1760000000.4, "starting": false}
 
 ``at`` is when it last beat (wall clock, read by the supervisor on the same machine);
 ``doing`` is what its main loop said it was doing last, for the supervisor's message when
@@ -24,7 +24,9 @@ never answers. A phase that must end, or show progress, within the process's bou
 so (``doing(text, must_progress=True)``) and marks its progress (:func:`progressed`: a
 micro-batch done); ``progress_at`` is the last mark, and the supervisor takes a phase
 with no mark for longer than the bound for a hang even while the beats go on. Waits with
-a bound of their own (a batch's ``max_batch_wait_s``) are not such phases.
+a bound of their own (a batch's ``max_batch_wait_s``) are not such phases. A process's
+start (``doing(text, starting=True)``: an env server's ``setup()``) is bounded as a whole
+from ``doing_since`` (``liveness.setup_timeout_s``), however it beats.
 """
 
 from __future__ import annotations
@@ -55,16 +57,19 @@ class Heartbeat:
         self.doing_since = time.time()
         self.must_progress = False
         self.progress_at = self.doing_since
+        self.starting = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def doing(self, text: str, *, must_progress: bool = False) -> None:
+    def doing(self, text: str, *, must_progress: bool = False,
+              starting: bool = False) -> None:
         """What the main loop does now (shown when the beats stop); ``must_progress``: it
-        must end or mark progress (:meth:`progressed`) within the process's bound."""
+        must end or mark progress (:meth:`progressed`) within the process's bound;
+        ``starting``: the process's start, bounded as a whole by the supervisor."""
         now = time.time()
         if text != self.doing_text:
             self.doing_text, self.doing_since = text, now
-        self.must_progress, self.progress_at = must_progress, now
+        self.must_progress, self.progress_at, self.starting = must_progress, now, starting
 
     def progressed(self) -> None:
         """The phase under way moved on (a micro-batch done, a collective returned)."""
@@ -74,7 +79,8 @@ class Heartbeat:
         """Write the beat now (atomically: the supervisor may be reading it)."""
         record = {"name": self.name, "pid": self.pid, "role": self.role, "at": time.time(),
                   "doing": self.doing_text, "doing_since": self.doing_since,
-                  "must_progress": self.must_progress, "progress_at": self.progress_at}
+                  "must_progress": self.must_progress, "progress_at": self.progress_at,
+                  "starting": self.starting}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -263,13 +263,15 @@ def _run_env(argv: list[str]) -> int:
 async def _start_beating(env, *, handing_over: bool) -> None:
     """``env.start()`` (its ``setup()``: TextWorld games made, a dataset read) with a beat
     from a thread under ``lachesis run``: a slow start that computes is not taken for a
-    hang at the start-up timeout, a frozen one is named after ``hang_timeout_s.env``.
+    hang at the start-up timeout, a frozen one is named after ``hang_timeout_s.env``, and
+    one that beats on but never ends after ``liveness.setup_timeout_s``.
     ``handing_over``: the serve loop's own beat goes on from the last one."""
     from environments import heartbeat
 
     beat = heartbeat.beat_in_thread("env")
     if beat is not None:
-        beat.doing(f"starting: connecting to inference, then {type(env).__name__}.setup()")
+        beat.doing(f"starting: connecting to inference, then {type(env).__name__}.setup()",
+                   starting=True)
     try:
         await env.start()
     except BaseException:

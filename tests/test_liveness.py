@@ -4,7 +4,8 @@ the rollout API does) are SIGSTOPped; the supervisor names each within its
 ``hang_timeout_s`` plus a check period and a health check's wait, kills it with SIGKILL
 and restarts it through
 the path a dead process takes, and once the restarts are spent the run stops saying
-what hung. A real ``lachesis env serve`` beats through a slow ``setup()``. About 20 s
+what hung. A real ``lachesis env serve`` beats through a slow ``setup()``, and one that
+never ends is named at ``liveness.setup_timeout_s``. About 30 s
 wall, 8 s CPU."""
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ BEATING = ("import asyncio, sys; sys.path.insert(0, %r)\n"
            "asyncio.run(hb.beat_forever())\n" % str(REPO))
 
 
-def supervisor(tmp_path: Path) -> Supervisor:
+def supervisor(tmp_path: Path, **liveness) -> Supervisor:
     config = RunConfig.model_validate({
         "name": "live", "runs_dir": str(tmp_path), "model": "unused",
         "envs": [{"name": "arithmetic_tool"}], "restart_backoff_s": 0.0,
         "liveness": {"check_every_s": 0.2, "heartbeat_period_s": 0.2,
                      "health_timeout_s": 0.5, "hang_timeout_s": {"env": 1.0, "api": 1.5,
-                                                               "trainer": 1.5}}})
+                                                               "trainer": 1.5}, **liveness}})
     sup = Supervisor(config, live=False)
     sup.run_dir.mkdir(parents=True)
     sup.liveness = Liveness(config.liveness, sup.run_dir / "heartbeat", sup.answers)
@@ -172,9 +173,9 @@ def test_a_rank_stuck_in_a_collective_is_a_hang_though_its_heartbeat_thread_beat
         sup.stop_all()
 
 
-# An env whose setup() computes for longer than the run's bound between beats, in a
-# synchronous call that blocks the event loop (as TextWorld's game generation does): it
-# finishes when the test says so.
+# An env whose setup() takes longer than the run's bound between beats, in a synchronous
+# call that blocks the event loop (as TextWorld's game generation does) and lets go of
+# Python's GIL (as a wait on a socket does): it finishes when the test says so.
 SLOW_SETUP = '''import time
 from pathlib import Path
 from environments import BaseEnv
@@ -190,12 +191,12 @@ class SlowSetup(BaseEnv):
 '''
 
 
-def test_an_env_server_beats_through_a_slow_setup_and_a_frozen_one_is_named(
+def test_an_env_server_beats_through_a_slow_setup_and_a_frozen_or_endless_one_is_named(
         tmp_path, tiny_model_dir, capsys):
-    sup = supervisor(tmp_path)
+    sup = supervisor(tmp_path, setup_timeout_s=6.0)
     (tmp_path / "slow_env.py").write_text(SLOW_SETUP)
     sup.liveness.watch("env-slow", "env", beats=True, startup_s=60)
-    sup.restartable = {"env-slow": 1}
+    sup.restartable = {"env-slow": 2}
     sup.start("env-slow", [
         sys.executable, "-m", "lachesis.cli", "env", "serve", f"{tmp_path}/slow_env.py:SlowSetup",
         "--tokenizer", str(tiny_model_dir), "--inference", "openai", "--model", "x",
@@ -214,8 +215,16 @@ def test_an_env_server_beats_through_a_slow_setup_and_a_frozen_one_is_named(
         out = capsys.readouterr().out
         assert "has sent no heartbeat (last: env starting: connecting to inference, then " \
             "SlowSetup.setup()" in out and "more than liveness.hang_timeout_s.env" in out, out
-        # ...and a setup that computes three bounds long is no hang: it sets up, and the
-        # serve loop's beat takes over from the setup's, with no moment between unbeaten
+        # ...one that beats on but never ends is named at liveness.setup_timeout_s, and no
+        # sooner (six of the bounds between beats, each passed without a restart)...
+        watch_until(sup, lambda: "then SlowSetup.setup()" in doing(), 60)
+        took = watch_until(sup, lambda: sup.restarts.get("env-slow") == 2, 20)
+        out = capsys.readouterr().out
+        assert "has not finished starting (doing: starting: connecting to inference, then " \
+            "SlowSetup.setup(); its heartbeat still beats" in out, out
+        assert "more than liveness.setup_timeout_s 6 s" in out and 5.0 < took < 12.0, took
+        # ...and one that ends within it is no hang: it sets up, and the serve loop's beat
+        # takes over from the setup's, with no moment between unbeaten
         watch_until(sup, lambda: "then SlowSetup.setup()" in doing(), 60)
         end = time.monotonic() + 3.0
         while time.monotonic() < end:
@@ -223,6 +232,6 @@ def test_an_env_server_beats_through_a_slow_setup_and_a_frozen_one_is_named(
             time.sleep(0.05)
         (tmp_path / "go").touch()
         watch_until(sup, lambda: "registering with the rollout API" in doing(), 15)
-        assert (tmp_path / "set-up").exists() and sup.restarts == {"env-slow": 1}
+        assert (tmp_path / "set-up").exists() and sup.restarts == {"env-slow": 2}
     finally:
         sup.stop_all()

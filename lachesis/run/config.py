@@ -196,6 +196,12 @@ class LivenessSettings(_Section):
     heartbeat_period_s: float = Field(default=1.0, gt=0)
     """How often the processes that beat write their heartbeat."""
     hang_timeout_s: HangTimeouts = Field(default_factory=HangTimeouts)
+    setup_timeout_s: float | None = Field(default=3600.0, gt=0)
+    """The longest an env server may take to start while it beats (connecting to
+    inference, then its ``setup()``: games made, a dataset read). Its start beats from a
+    thread, so a ``setup()`` waiting for ever in a call that lets go of Python's GIL (a
+    socket, a lock, a subprocess) beats on; past this it is named, killed and restarted
+    like a hung one. None: not bounded."""
 
     @model_validator(mode="after")
     def _beats_fit(self) -> LivenessSettings:

@@ -16,7 +16,8 @@ A process whose last answer (or oldest last beat) is older than its kind's
 ``liveness.hang_timeout_s`` is hung; before its first answer after a (re)start, the
 bound is its start-up timeout (``vllm.startup_timeout_s`` for a vLLM start,
 ``startup_timeout_s`` for the others; an env server beats from its start on, so its
-``setup()`` has ``hang_timeout_s.env`` between beats instead). The supervisor
+``setup()`` has ``hang_timeout_s.env`` between beats instead, and
+``liveness.setup_timeout_s`` for the whole start). The supervisor
 then names it (kind, name, address, how long, what it was doing), kills its process
 group with SIGKILL (a SIGSTOPped process acts on nothing else) and restarts it like one
 that died. Heartbeat files are read on this machine only: on a Ray cluster the
@@ -200,6 +201,19 @@ class Liveness:
             return Hang(w.name, w.kind, f"{address}, pid {oldest.get('pid')}", silent,
                         hang_s, setting, f"has sent no heartbeat (last: {oldest.get('role')} "
                         f"{doing}, for {since:.0f} s)")
+        # beating, but starting for longer than any start may take: a setup() waiting in a
+        # call that let go of the GIL (a socket, a lock) and never returns
+        cap = self.settings.setup_timeout_s
+        starting = [b for b in beats if b.get("starting") and "doing_since" in b]
+        if cap is not None and starting:
+            first = min(starting, key=lambda b: float(b["doing_since"]))
+            took = time.time() - float(first["doing_since"])
+            if took > cap:
+                return Hang(w.name, w.kind, f"{address}, pid {first.get('pid')}", took, cap,
+                            "liveness.setup_timeout_s", "has not finished starting "
+                            f"(doing: {first.get('doing') or '-'}; its heartbeat still beats, "
+                            "so a call that let go of Python's GIL has not returned: a "
+                            "socket or a lock that nothing answers)")
         # beating, but stuck in a phase that must show progress (environments/heartbeat.py):
         # a call that let go of the GIL and never returns (a collective, a device, a socket)
         stalled = [b for b in beats if b.get("must_progress") and "progress_at" in b]
