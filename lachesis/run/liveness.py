@@ -107,6 +107,18 @@ def read_beats(directory: Path, name: str) -> list[dict[str, Any]]:
     return beats
 
 
+def overdue(beats: list[dict[str, Any]], flag: str, since: str,
+            bound_s: float | None) -> tuple[dict[str, Any], float] | None:
+    """The beat whose phase marked ``flag`` has gone on longest since its ``since`` time,
+    and for how long, when that is more than ``bound_s`` (None: not bounded)."""
+    marked = [b for b in beats if b.get(flag) and since in b]
+    if bound_s is None or not marked:
+        return None
+    first = min(marked, key=lambda b: float(b[since]))
+    took = time.time() - float(first[since])
+    return (first, took) if took > bound_s else None
+
+
 class Liveness:
     """The supervisor's liveness checks (see the module's docstring)."""
 
@@ -201,29 +213,23 @@ class Liveness:
             return Hang(w.name, w.kind, f"{address}, pid {oldest.get('pid')}", silent,
                         hang_s, setting, f"has sent no heartbeat (last: {oldest.get('role')} "
                         f"{doing}, for {since:.0f} s)")
-        # beating, but starting for longer than any start may take: a setup() waiting in a
-        # call that let go of the GIL (a socket, a lock) and never returns
-        cap = self.settings.setup_timeout_s
-        starting = [b for b in beats if b.get("starting") and "doing_since" in b]
-        if cap is not None and starting:
-            first = min(starting, key=lambda b: float(b["doing_since"]))
-            took = time.time() - float(first["doing_since"])
-            if took > cap:
-                return Hang(w.name, w.kind, f"{address}, pid {first.get('pid')}", took, cap,
-                            "liveness.setup_timeout_s", "has not finished starting "
-                            f"(doing: {first.get('doing') or '-'}; its heartbeat still beats, "
-                            "so a call that let go of Python's GIL has not returned: a "
-                            "socket or a lock that nothing answers)")
-        # beating, but stuck in a phase that must show progress (environments/heartbeat.py):
-        # a call that let go of the GIL and never returns (a collective, a device, a socket)
-        stalled = [b for b in beats if b.get("must_progress") and "progress_at" in b]
-        if hang_s is not None and stalled:
-            first = min(stalled, key=lambda b: float(b["progress_at"]))
-            still = time.time() - float(first["progress_at"])
-            if still > hang_s:
-                return Hang(w.name, w.kind, f"{address}, pid {first.get('pid')}", still,
-                            hang_s, setting, f"has made no progress in {first.get('role')} "
-                            f"{first.get('doing') or '-'} (its heartbeat still beats: a call "
-                            "that let go of Python's GIL has not returned, such as a "
-                            "collective waiting for another rank)")
+        # beating, but a phase has gone on too long: a call that let go of Python's GIL and
+        # never returns (a setup() on a socket or a lock; a collective, a device)
+        longest = overdue(beats, "starting", "doing_since", self.settings.setup_timeout_s)
+        if longest is not None:
+            first, took = longest
+            return Hang(w.name, w.kind, f"{address}, pid {first.get('pid')}", took,
+                        self.settings.setup_timeout_s, "liveness.setup_timeout_s",
+                        f"has not finished starting (doing: {first.get('doing') or '-'}; its "
+                        "heartbeat still beats, so a call that let go of Python's GIL has not "
+                        "returned: a socket or a lock that nothing answers)")
+        # a phase that must show progress (environments/heartbeat.py) with no mark
+        longest = overdue(beats, "must_progress", "progress_at", hang_s)
+        if longest is not None:
+            first, still = longest
+            return Hang(w.name, w.kind, f"{address}, pid {first.get('pid')}", still,
+                        hang_s, setting, f"has made no progress in {first.get('role')} "
+                        f"{first.get('doing') or '-'} (its heartbeat still beats: a call "
+                        "that let go of Python's GIL has not returned, such as a "
+                        "collective waiting for another rank)")
         return None
