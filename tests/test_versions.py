@@ -4,6 +4,7 @@ reads back from it (trainer.versions)."""
 
 from __future__ import annotations
 
+from environments.inference.vllm_client import Completion, VLLMServerPool, join_completions
 from environments.rollout import GeneratedTurn, turn_versions
 from environments.trajectory import MASKED, ScoredGroup, ScoredTrajectory
 from trainer.sources import Batch
@@ -25,6 +26,31 @@ def test_a_turn_across_an_update_records_where_each_version_sampled():
     # a server that never got a label, or did not say: the version the env knew
     assert turn_versions(turn([("default", 0, 9)]), 0, 3) == (3, None)
     assert turn_versions(turn(None), 0, 3) == (3, None)
+
+
+def test_a_continued_request_keeps_the_labels_of_every_part_that_sampled_tokens():
+    """``sync_pause: abort`` ends a request with the tokens it has; the client continues it
+    on the new weights and joins the parts' labels. A request aborted before its first
+    token (it was waiting for a slot) has no label to give: the turn is its continuation's
+    weights, not the version the env knew when it sent it."""
+    def part(n, labels, reason="abort"):
+        return Completion(list(range(n)), [-1.0] * n, reason, None, "u", labels)
+
+    # as vLLM's generate route answers a request aborted while it waited: no tokens, no spans
+    url = "http://127.0.0.1:9"
+    aborted, = VLLMServerPool([url])._completions({"choices": [{
+        "token_ids": [], "logprobs": {"content": []}, "finish_reason": "abort",
+        "weight_versions": []}]}, url, 1)
+    assert aborted.weight_versions == []
+    waited = join_completions(aborted, part(6, [("1", 0, 6)], "length"))
+    assert waited.weight_versions == [("1", 0, 6)]
+    assert turn_versions(turn(waited.weight_versions), 3, 0) == (1, [(3, 9, 1)])
+    both = join_completions(join_completions(part(3, [("default", 0, 3)]), part(0, [])),
+                            part(6, [("1", 0, 6)], "length"))
+    assert both.token_ids == [0, 1, 2] + list(range(6))
+    assert both.weight_versions == [("default", 0, 3), ("1", 3, 9)]
+    # a part that sampled tokens and did not say which weights: the turn's are unknown
+    assert join_completions(part(3, None), part(6, [("1", 0, 6)])).weight_versions is None
 
 
 def trajectory():

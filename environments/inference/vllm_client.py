@@ -440,7 +440,7 @@ class VLLMServerPool:
         return Completion(list(token_ids), [float(x) for x in logprobs],
                           choice.get("finish_reason") or "stop", choice.get("stop_reason"), url,
                           [(str(v["version"]), int(v["start"]), int(v["end"])) for v in spans]
-                          if spans else None)
+                          if spans is not None else None)
 
     def describe(self) -> dict[str, Any]:
         return {s.url: {"healthy": s.healthy, "in_flight": s.in_flight,
@@ -478,11 +478,13 @@ then the turn ends as vLLM ended it (finish reason ``abort``)."""
 def join_completions(first: Completion, then: Completion) -> Completion:
     """``first`` (aborted by a weight update) followed by its continuation ``then``; the
     continuation's version spans move past ``first``'s tokens. Spans are known only when
-    both say them."""
+    both say them; a part with no tokens has none to say (a request aborted before its
+    first token: the continuation's labels are the turn's)."""
     n = len(first.token_ids)
+    before = first.weight_versions if first.token_ids else []
+    after = then.weight_versions if then.token_ids else []
     spans = None
-    if first.weight_versions is not None and then.weight_versions is not None:
-        spans = list(first.weight_versions) + [(v, s + n, e + n)
-                                                for v, s, e in then.weight_versions]
+    if before is not None and after is not None:
+        spans = list(before) + [(v, s + n, e + n) for v, s, e in after]
     return Completion(first.token_ids + then.token_ids, first.logprobs + then.logprobs,
                       then.finish_reason, then.stop_reason, then.server, spans)
