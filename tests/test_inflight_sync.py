@@ -27,7 +27,7 @@ from environments import EnvConfig
 from environments.inference.vllm_client import FORCED_EXTRA_ARG
 from environments.jsonl_store import read_groups
 from trainer.versions import token_versions
-from trainer.vllm_busy import BusySampler
+from trainer.vllm_busy import BusySampler, running_requests
 from trainer.vllm_sync import VLLMWeightSync
 from vllm_fixture import reload_original
 
@@ -76,19 +76,16 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
                        max_tokens_per_turn=LONG, max_token_length=LONG + 64,
                        sampling_extra={"ignore_eos": True})
 
-    async def metric(session, name: str) -> float:
+    async def generated_tokens(session) -> float:
         async with session.get(vllm_server.url + "/metrics") as response:
             text = await response.text()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") or line.startswith(name + " "))
+                   if line.startswith("vllm:generation_tokens_total"))
 
-    async def generated_tokens(session) -> float:
-        return await metric(session, "vllm:generation_tokens_total")
-
-    async def running(session, n: int, rollouts: asyncio.Future, deadline: float) -> None:
+    async def running(n: int, rollouts: asyncio.Future, deadline: float) -> None:
         """Wait until the server runs ``n`` sequences (a request still waiting for its
         first token would be aborted with none: nothing of it would span the sync)."""
-        while await metric(session, "vllm:num_requests_running") < n:
+        while (await asyncio.to_thread(running_requests, vllm_server.url) or 0) < n:
             assert time.monotonic() < deadline and not rollouts.done()
             await asyncio.sleep(0.02)
 
@@ -105,12 +102,12 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
                 deadline = time.monotonic() + 120
                 # (abort: a forced turn in flight too, continued with the ids still to
                 # give; sent once the group's two run, so it cannot end before the sync)
-                await running(session, 2, rollouts, deadline)
+                await running(2, rollouts, deadline)
                 forced = asyncio.ensure_future(env._pool.complete(
                     [5, 6, 7], max_tokens=len(FORCED), sampling={
                         "ignore_eos": True, "extra_args": {FORCED_EXTRA_ARG: FORCED}})) \
                     if pause == "abort" else None
-                await running(session, 3 if forced else 2, rollouts, deadline)
+                await running(3 if forced else 2, rollouts, deadline)
                 # all turns are well under way (a few hundred tokens between them)
                 while await generated_tokens(session) - before < 300:
                     assert time.monotonic() < deadline and not rollouts.done()

@@ -478,13 +478,11 @@ then the turn ends as vLLM ended it (finish reason ``abort``)."""
 def join_completions(first: Completion, then: Completion) -> Completion:
     """``first`` (aborted by a weight update) followed by its continuation ``then``; the
     continuation's version spans move past ``first``'s tokens. Spans are known only when
-    both say them; a part with no tokens has none to say (a request aborted before its
-    first token: the continuation's labels are the turn's)."""
+    both say them (a request aborted before its first token says ``[]``)."""
     n = len(first.token_ids)
-    before = first.weight_versions if first.token_ids else []
-    after = then.weight_versions if then.token_ids else []
     spans = None
-    if before is not None and after is not None:
-        spans = list(before) + [(v, s + n, e + n) for v, s, e in after]
+    if first.weight_versions is not None and then.weight_versions is not None:
+        spans = list(first.weight_versions) + [(v, s + n, e + n)
+                                                for v, s, e in then.weight_versions]
     return Completion(first.token_ids + then.token_ids, first.logprobs + then.logprobs,
                       then.finish_reason, then.stop_reason, then.server, spans)
