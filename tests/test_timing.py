@@ -103,8 +103,9 @@ def test_where_the_time_went_adds_up_to_the_wall_time_hangs_included():
 
 def test_the_summary_shows_the_same_held_out_items_before_and_after(tmp_path):
     """Sample transcripts pair each item's first episode before RL with its first
-    episode after, in the order the evaluation wrote them; an item evaluated only once is
-    not shown. The page of every evaluation episode is written beside them."""
+    episode after: items whose outcome changed first, in the order the evaluation wrote
+    them, then the others; an item evaluated only once is not shown. The page of every
+    evaluation episode is written beside them."""
     def group(item: str, turns: list[dict], scores: list[float]) -> str:
         messages = [{"role": "system", "content": "Solve it."},
                     {"role": "user", "content": f"question {item}"}, *turns]
@@ -121,12 +122,16 @@ def test_the_summary_shows_the_same_held_out_items_before_and_after(tmp_path):
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)
     (run / "eval" / "before-env.jsonl").write_text(
-        group("a", direct, [0.1]) + group("b", direct, [0.1]) + group("only-before", direct, [0.1]))
+        group("same", called, [1.0, 1.0]) + group("a", direct, [0.1])
+        + group("b", direct, [0.1]) + group("only-before", direct, [0.1]))
     (run / "eval" / "after-env.jsonl").write_text(
-        group("b", called, [1.0, 1.0]) + group("a", called, [1.0, 1.0]))
+        group("b", called, [1.0, 1.0]) + group("a", called, [1.0, 1.0])
+        + group("same", called, [1.0, 1.0]))
     written = write_summary(run, {}, run / "metrics.jsonl")
     [text] = written["transcripts"]
-    assert text.index("**question a**") < text.index("**question b**")
+    assert text.index("**question a**") < text.index("**question b**") \
+        < text.index("**question same**")
+    assert "among the 2 of 3 whose outcome changed" in text
     assert "only-before" not in text
     assert ("--- before RL [0.1]\nassistant: <answer>381</answer>\n--- after RL [1.0, 1.0]\n"
             'assistant: <tool_call>{"name": "calculator", "arguments": {"expression": '
