@@ -146,8 +146,11 @@ def convert_gguf(gguf_file: Path, out: Path, chat_template: str,
     """Write ``gguf_file`` as a float32 safetensors checkpoint with its tokenizer (and
     ``chat_template``) and generation config into the directory ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     from environments.inference.tied_weights import write_tied_weights
+
+    transformers_logging.disable_progress_bar()  # one line said per step is enough
 
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
