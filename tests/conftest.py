@@ -202,5 +202,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     import cpu_cost
+    import system_packages
 
     cpu_cost.register(config)
+    system_packages.register(config)
