@@ -75,7 +75,7 @@ test: system-deps install
 	    > $$unit_log 2>&1 & unit=$$!; \
 	$(PY) -m pytest -q -m "system and not ray and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
 	    > $$system_log 2>&1 & system=$$!; \
-	{ $(PY) -m pytest -q -m "not unit and not system and not slow" --durations=15 $(TESTS) 2>&1; \
+	{ PYTHONUNBUFFERED=1 $(PY) -m pytest -q -m "not unit and not system and not slow" --durations=15 $(TESTS) 2>&1; \
 	  echo $$? > $$heavy_rc; } | tee $$heavy_log; \
 	heavy=$$(cat $$heavy_rc); \
 	wait $$system; system_rc=$$?; wait $$unit; unit_rc=$$?; \
