@@ -82,12 +82,12 @@ test: system-deps install
 	echo "==== the system tests but Ray's, run beside the above ===="; cat $$system_log; \
 	echo "==== the unit tests and the Ray tests, run beside the above ===="; cat $$unit_log; \
 	echo "==== make test: what did not pass, from the three sessions ===="; \
-	grep -hE "^(FAILED|ERROR|SKIPPED|XFAIL|XPASS) " $$heavy_log $$system_log $$unit_log; \
+	grep -hE "^((FAILED|ERROR|XFAIL|XPASS) tests/|SKIPPED \[)" $$heavy_log $$system_log $$unit_log; \
 	grep -hE -A20 "^=+ tests skipped for missing system packages" $$heavy_log $$system_log $$unit_log \
 	    | grep -E "^ +[0-9]+ skipped: " | awk '{c = $$1; sub(/^ *[0-9]+ skipped: /, ""); n[$$0] += c} \
 	        END {for (k in n) printf "%5d skipped (not passed): %s\n", n[k], k}'; \
 	for s in heavy:$$heavy_log system:$$system_log unit:$$unit_log; do \
-	    printf "%-7s %s\n" "$${s%%:*}" "$$(grep -E "^=+ .* in [0-9.]+s" $${s#*:} | tail -1)"; done; \
+	    printf "%-7s %s\n" "$${s%%:*}" "$$(grep -E "^(=+ )?([0-9]+ [a-z]+|no tests ran).* in [0-9.]+s" $${s#*:} | tail -1)"; done; \
 	rm -f $$unit_log $$system_log $$heavy_log $$heavy_rc; \
 	echo "make test: heavy tests exit $$heavy, system tests exit $$system_rc, unit tests exit $$unit_rc"; \
 	case "$$heavy $$system_rc $$unit_rc" in [05]\ [05]\ [05]) ;; *) exit 1 ;; esac

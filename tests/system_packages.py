@@ -137,7 +137,7 @@ class SystemPackages:
             return
         # the code under test found a program missing: a skip that names its package
         package = error.package if error.package in PACKAGES else None
-        text = reason(package, str(error)) if package else (
+        text = reason(package) if package else (
             f"needs the system package {error.package}: {error}")
         path, line, _ = item.location
         report.outcome = "skipped"
