@@ -156,6 +156,12 @@ class SystemPackages:
 
 
 def register(config) -> None:
+    if config.pluginmanager.has_plugin("lachesis-system-packages"):
+        return
     config.addinivalue_line("markers", "needs(*packages): the Debian packages the test "
                             "needs (tests/system_packages.py); it skips without them")
     config.pluginmanager.register(SystemPackages(), "lachesis-system-packages")
+
+
+def pytest_configure(config):  # (as a plugin of its own: `pytest -p system_packages`)
+    register(config)
