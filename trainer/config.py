@@ -170,7 +170,9 @@ class TrainConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(default=1e-8, gt=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """``auto``: bfloat16 on a GPU that supports it and on a CPU with AMX-BF16 or
+    AVX512-BF16, float32 elsewhere (environments/inference/dtypes.py)."""
     sharding: Literal["auto", "replicate", "fsdp"] = "auto"
     """Under ``torchrun``: ``fsdp`` shards parameters, gradients and optimizer state over
     the ranks (FSDP2 ``fully_shard``); ``replicate`` keeps a full copy per rank and

@@ -419,8 +419,10 @@ class Supervisor:
 
     # -- phases --------------------------------------------------------------------------
     def prepare_model(self) -> str:
+        from environments.inference.packaged_models import resolve_model
+
         config = self.config
-        model = config.model
+        model = resolve_model(config.model, self.say)  # a packaged model: its checkpoint
         if config.build_tiny_model and not Path(model).exists():
             from lachesis.tiny_model import make_tiny_model
 
