@@ -297,6 +297,10 @@ class CollapsingEnv(BaseEnv):
 """
 
 
+# 95 s, 56 s CPU beside the suite (7 Dec 2026): in `make test-all`. Still in `make test`:
+# the trainer's early end as a normal one (test_trainer.py's max_batch_wait_s test) and a
+# run's "after" evaluation and summary (the short run above).
+@pytest.mark.slow
 def test_a_run_whose_groups_all_score_equal_stops_training_early_and_still_evaluates(
         tiny_model_dir, tmp_path):
     """After step 1 every group scores equal and its env server drops it, so no batch
