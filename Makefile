@@ -61,7 +61,8 @@ system-deps:
 # The suite without the tests marked slow (pytest.ini markers), which `test-all` adds, as
 # three pytest sessions at once (markers set in tests/conftest.py): the `unit` tests (they
 # start none of vLLM, docker, Chromium, Ray) with the Ray tests; the `system` tests (each
-# starts a whole system of its own: a `lachesis run`, vLLM servers of its own) but Ray's;
+# starts a whole system of its own: a `lachesis run`, vLLM servers of its own; or uses only
+# the session's transfer server, which that session starts) but Ray's;
 # and the other heavy tests, which run one at a time in one session because they share its
 # vLLM servers, the docker daemon and Chromium. The cores are the limit, so the sessions
 # are balanced to end together; the last one's progress shows as it runs, then each session's
