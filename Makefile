@@ -24,7 +24,7 @@ UV_SOURCES = --index-strategy unsafe-best-match \
 	$(addprefix --extra-index-url ,$(sort $(PIP_EXTRA_INDEX_URL) $(call pip_config,extra-index-url))) \
 	$(addprefix --find-links ,$(sort $(PIP_FIND_LINKS) $(call pip_config,find-links)))
 
-.PHONY: install test test-serial test-all test-fast demo demo-tiny bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
+.PHONY: install system-deps test test-serial test-all test-fast demo demo-tiny bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
 
 install: $(STAMP)
 
@@ -49,10 +49,20 @@ $(STAMP): pyproject.toml Makefile $(OVERRIDES)
 	$(PY) -c "import torch, transformers, vllm, docker, datasets, atroposlib, ray, textworld, gymnasium, environments; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(STAMP)
 
+# The Debian packages the tests need (bubblewrap, docker.io, debootstrap, chromium, npm...:
+# scripts/system-deps lists them), installed where missing with apt-get as root or through
+# password-less sudo; where neither can be used it says so and the tests that need them
+# skip, each naming its package. Every test target runs it first; SYSTEM_DEPS=no skips it.
+SYSTEM_DEPS ?= yes
+system-deps:
+	@if [ "$(SYSTEM_DEPS)" = no ]; then echo "system-deps: skipped (SYSTEM_DEPS=no)"; \
+	else bash scripts/system-deps; fi
+
 # The suite without the tests marked slow (pytest.ini markers), which `test-all` adds, as
 # three pytest sessions at once (markers set in tests/conftest.py): the `unit` tests (they
 # start none of vLLM, docker, Chromium, Ray) with the Ray tests; the `system` tests (each
-# starts a whole system of its own: a `lachesis run`, vLLM servers of its own) but Ray's;
+# starts a whole system of its own: a `lachesis run`, vLLM servers of its own; or uses only
+# the session's transfer server, which that session starts) but Ray's;
 # and the other heavy tests, which run one at a time in one session because they share its
 # vLLM servers, the docker daemon and Chromium. The cores are the limit, so the sessions
 # are balanced to end together; the last one's progress shows as it runs, then each session's
@@ -60,29 +70,37 @@ $(STAMP): pyproject.toml Makefile $(OVERRIDES)
 # selected, is no failure). `make test-serial`: the same tests in one session. TESTS=paths
 # narrows either.
 TESTS ?=
-test: install
-	@unit_log=$$(mktemp); system_log=$$(mktemp); \
+test: system-deps install
+	@unit_log=$$(mktemp); system_log=$$(mktemp); heavy_log=$$(mktemp); heavy_rc=$$(mktemp); \
 	$(PY) -m pytest -q -m "(unit or ray) and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
 	    > $$unit_log 2>&1 & unit=$$!; \
 	$(PY) -m pytest -q -m "system and not ray and not slow" -p no:cacheprovider --durations=15 $(TESTS) \
 	    > $$system_log 2>&1 & system=$$!; \
-	$(PY) -m pytest -q -m "not unit and not system and not slow" --durations=15 $(TESTS); \
-	heavy=$$?; \
+	{ PYTHONUNBUFFERED=1 $(PY) -m pytest -q -m "not unit and not system and not slow" --durations=15 $(TESTS) 2>&1; \
+	  echo $$? > $$heavy_rc; } | tee $$heavy_log; \
+	heavy=$$(cat $$heavy_rc); \
 	wait $$system; system_rc=$$?; wait $$unit; unit_rc=$$?; \
 	echo "==== the system tests but Ray's, run beside the above ===="; cat $$system_log; \
 	echo "==== the unit tests and the Ray tests, run beside the above ===="; cat $$unit_log; \
-	rm -f $$unit_log $$system_log; \
+	echo "==== make test: what did not pass, from the three sessions ===="; \
+	grep -hE "^((FAILED|ERROR|XFAIL|XPASS) tests/|SKIPPED \[)" $$heavy_log $$system_log $$unit_log; \
+	grep -hE -A20 "^=+ tests skipped for missing system packages" $$heavy_log $$system_log $$unit_log \
+	    | grep -E "^ +[0-9]+ skipped: " | awk '{c = $$1; sub(/^ *[0-9]+ skipped: /, ""); n[$$0] += c} \
+	        END {for (k in n) printf "%5d skipped (not passed): %s\n", n[k], k}'; \
+	for s in heavy:$$heavy_log system:$$system_log unit:$$unit_log; do \
+	    printf "%-7s %s\n" "$${s%%:*}" "$$(grep -E "^(=+ )?([0-9]+ [a-z]+|no tests ran).* in [0-9.]+s" $${s#*:} | tail -1)"; done; \
+	rm -f $$unit_log $$system_log $$heavy_log $$heavy_rc; \
 	echo "make test: heavy tests exit $$heavy, system tests exit $$system_rc, unit tests exit $$unit_rc"; \
 	case "$$heavy $$system_rc $$unit_rc" in [05]\ [05]\ [05]) ;; *) exit 1 ;; esac
 
-test-serial: install
+test-serial: system-deps install
 	$(PY) -m pytest -q -m "not slow" --durations=15 $(TESTS)
 
-test-all: install
+test-all: system-deps install
 	$(PY) -m pytest -q
 
 # Only the tests that start none of vLLM, docker and Chromium (markers: tests/conftest.py).
-test-fast: install
+test-fast: system-deps install
 	$(PY) -m pytest -q -m unit
 
 # The demo: SmolLM2-135M-Instruct (a real instruct model from PyPI, converted on first use

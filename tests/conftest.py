@@ -192,15 +192,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(_pytest.mark, mark))
         if not heavy:
             item.add_marker(_pytest.mark.unit)
-        elif heavy <= {"vllm", "ray"} and not names & VLLM_FIXTURES:
+        elif heavy <= {"vllm", "ray"} and "vllm_server" not in names:
             # a whole system of its own (a `lachesis run`, vLLM servers of its own, a Ray
-            # cluster): shares none of the session's servers, docker or Chromium, so
-            # `make test` runs these in sessions beside the others (the Ray tests beside
-            # the unit tests, which end first)
+            # cluster), or the session's transfer server alone (weight transfers, LoRA
+            # hot-loads: the session that runs them starts it): shares neither the
+            # session's main vLLM server, docker nor Chromium, so `make test` runs these in
+            # sessions beside the others (the Ray tests beside the unit tests, which end
+            # first). Measured on 7 Dec 2026: the other heavy tests' session ended last,
+            # 365 s after this one; the transfer server's tests were 137 s of it.
             item.add_marker(_pytest.mark.system)
 
 
 def pytest_configure(config):
     import cpu_cost
+    import system_packages
 
     cpu_cost.register(config)
+    system_packages.register(config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -36,15 +37,17 @@ class CPUCost:
     def __init__(self) -> None:
         self.start = _cpu_seconds()
         self.by_test: dict[str, float] = {}
+        self.wall: dict[str, float] = {}
         self.session_end = 0.0
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         # (two reads of /proc per test: set-up, call and tear-down together)
-        before = _cpu_seconds()
+        before, started = _cpu_seconds(), time.monotonic()
         self.session_end = 0.0
         yield
         self.by_test[item.nodeid] = _cpu_seconds() - before - self.session_end
+        self.wall[item.nodeid] = time.monotonic() - started
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):
@@ -67,6 +70,8 @@ class CPUCost:
             out = Path(os.environ["LACHESIS_TEST_CPU_DIR"])
             out.mkdir(parents=True, exist_ok=True)
             (out / f"cpu-{os.getpid()}.json").write_text(json.dumps(self.by_test, indent=1))
+            # and each test's wall time (set-up, call, tear-down)
+            (out / f"wall-{os.getpid()}.json").write_text(json.dumps(self.wall, indent=1))
         in_tests = sum(self.by_test.values())
         write(f"session CPU {total:.0f} s: {in_tests:.0f} s in {len(self.by_test)} tests, "
               f"{total - in_tests:.0f} s outside them (collection, the session's end)")

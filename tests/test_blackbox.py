@@ -94,6 +94,7 @@ def one_group(env):
     return asyncio.run(main())
 
 
+@pytest.mark.needs("bubblewrap")  # its sandboxes are bwrap's
 def test_agent_runs_in_the_sandbox_and_its_trajectories_pass_the_trainer_alignment_check(
         vllm_server, tmp_path):
     out = tmp_path / "groups.jsonl"
@@ -140,6 +141,7 @@ def test_agent_runs_in_the_sandbox_and_its_trajectories_pass_the_trainer_alignme
     assert json.loads(check.stdout)["alignment_mean_abs_diff"] < 1e-3
 
 
+@pytest.mark.needs("bubblewrap")  # its sandboxes are bwrap's
 def test_an_agent_that_hangs_is_killed_at_the_timeout_and_its_group_fails(vllm_server, tmp_path):
     marker = f"lachesis-hang-{uuid.uuid4().hex[:8]}"
     env = make_env(vllm_server, tmp_path, agent_timeout_s=3,
@@ -168,6 +170,7 @@ for _ in range(40):  # the context grows by ~600 tokens a request, until the pro
 """
 
 
+@pytest.mark.needs("bubblewrap")  # its sandboxes are bwrap's
 def test_a_long_episode_at_the_servers_limit_ends_truncated_and_its_group_is_kept(
         vllm_server, tmp_path):
     """max_token_length equal to vLLM's max_model_len (the most the start check allows):
@@ -227,6 +230,7 @@ for root, _, files in os.walk(".gold"):  # the fix, as a perfect agent would wri
 """
 
 
+@pytest.mark.needs("bubblewrap")  # its sandboxes are bwrap's
 def test_swe_fix_end_to_end_a_fixing_agent_is_resolved_and_a_random_policy_is_not(
         vllm_server, tmp_path):
     """The whole path: agent process in the sandbox, proxy, copy-out, grading in a fresh
@@ -293,6 +297,7 @@ CALCULATOR_CALL_OR_ANSWER = (
     r'"[1-9][0-9]? [+] [1-9][0-9]?"\}\}\n</tool_call>|The answer is [1-9][0-9]{0,2}\.)')
 
 
+@pytest.mark.needs("bubblewrap")  # its sandboxes are bwrap's
 def test_the_custom_agent_example_makes_valid_tool_calls_in_the_sandbox_through_the_proxy(
         vllm_server, tmp_path):
     """examples/calculator_agent: its own openai-client agent, copied into a bwrap sandbox
@@ -382,6 +387,7 @@ class FirstFailsEnv(BlackBoxEnvMixin, TurnLevelRewardMixin, BaseEnv):
 '''
 
 
+@pytest.mark.needs("bubblewrap")  # its sandboxes are bwrap's
 def test_a_run_stopped_by_failing_groups_kills_the_agents_in_flight_and_exits_cleanly(
         vllm_server, tmp_path):
     """With max_failed_groups_in_a_row reached while other agents still run, the run

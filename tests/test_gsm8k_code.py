@@ -187,6 +187,7 @@ def test_oracle_messages_match_what_the_rollout_produces():
     assert messages[-1]["content"] == "<answer>342</answer>"
 
 
+@pytest.mark.needs("bubblewrap")  # its sandboxes are bwrap's
 def test_a_group_against_the_tiny_model(vllm_server):
     """A real group through vLLM: the random model earns nothing, but the rollouts run in
     sandboxes end to end and produce valid trajectories."""

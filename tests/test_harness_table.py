@@ -16,7 +16,7 @@ from conftest import REPO
 
 from environments.blackbox.harnesses import HARNESSES
 
-pytestmark = [pytest.mark.vllm,
+pytestmark = [pytest.mark.vllm, pytest.mark.needs("bubblewrap", "npm", "nodejs", "python3-venv"),
               pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap is Linux-only")]
 
 

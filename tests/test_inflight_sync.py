@@ -114,10 +114,13 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
                     await asyncio.sleep(0.05)
                 assert not rollouts.done()
                 await sync.reload(path_b)
+                # the sync returned with the turns still in flight (an order of events,
+                # not a count: how many tokens the server makes while the sync and this
+                # test's requests run depends on the machine's load; 890 of 2,400 came
+                # after it once beside the suite's other sessions)
+                in_flight = not rollouts.done()
                 synced = await generated_tokens(session)
                 await rollouts
-                # tokens generated after the sync returned (counted, not timed: the ratio
-                # of generation to sync time differs from machine to machine)
                 after = await generated_tokens(session) - synced
             if forced is not None:
                 assert (await forced).token_ids == FORCED
@@ -128,17 +131,17 @@ def test_a_generation_spanning_a_sync_continues_on_the_new_weights(vllm_server, 
             # (samples before the turns start and while the sync swaps the weights count
             # as idle: 0.75 and above measured)
             assert generating > 0.5 and idle == 0.0, (generating, idle)
-            return after, env._pool.stats.continued
+            return in_flight, after, env._pool.stats.continued
         finally:
             await env.close()
 
     try:
-        generated_after, continued = asyncio.run(scenario())
+        in_flight, generated_after, continued = asyncio.run(scenario())
     finally:
         asyncio.run(reload_original(vllm_server))
-    # the sync did not wait for the generations: most of the group's 2 x LONG tokens
-    # (under 400 came before it) were generated after it returned
-    assert generated_after > LONG, generated_after
+    # the sync did not wait for the generations: they were in flight when it returned,
+    # and the server generated tokens after that (the spans below say which weights)
+    assert in_flight and generated_after > 0, (in_flight, generated_after)
     # each aborted once (abort: the forced request too)
     assert continued == {"keep": 0, "keep-stale": 0, "abort": 3}[pause]
 

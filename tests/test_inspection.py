@@ -278,15 +278,9 @@ def test_env_process_writes_the_report_next_to_the_jsonl(tmp_path):
     assert "All 3 matching groups are included." in page and page.count('class="g"') == 3
 
 
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.skip("no Chromium found (install Debian's `chromium`; .ci/run does)")
-    return path
-
-
+@pytest.mark.needs("chromium")  # (skips without it: tests/system_packages.py)
 def test_report_in_headless_chromium(tmp_path, tiny_model_dir):
-    chromium = _chromium()
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     from playwright.sync_api import sync_playwright  # the `dev` extra
 
     path = tmp_path / "groups.jsonl"

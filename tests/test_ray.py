@@ -158,7 +158,7 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
 
 @pytest.mark.ray
 @pytest.mark.vllm
-@pytest.mark.slow  # 66 s; one-machine restarts are in test_run's whole-node and LoRA tests
+@pytest.mark.slow  # 66 s; one-machine restarts are in test_run's whole-node test
 def test_a_replica_killed_on_its_node_is_restarted_there(two_nodes, ray_model, tmp_path):
     """As on one machine (tests/test_run.py): a vLLM replica killed after step 1 is
     restarted by the supervisor, by the same actor on the same node, on the synced

@@ -190,6 +190,11 @@ def test_killing_the_supervisor_outright_leaves_no_process(tiny_model_dir, tmp_p
     wait_for(lambda: processes_of_run(rid) == [], 30, "the run's processes to go")
 
 
+# 137 s, 90 s CPU beside the suite (7 Dec 2026): in `make test-all`. Still in `make test`:
+# each adapter version served as the trainer has it and a replica without the adapter
+# routed around (test_weight_sync.py's LoRA tests), a killed replica restarted and given
+# the newest weights in a whole run (the whole-node test below).
+@pytest.mark.slow
 def test_lora_run_hot_loads_each_adapter_and_a_restarted_replica_gets_the_newest(
         tiny_model_dir, tmp_path):
     """`lora:` in the run config, two vLLM replicas: they start with runtime adapter
@@ -292,6 +297,10 @@ class CollapsingEnv(BaseEnv):
 """
 
 
+# 95 s, 56 s CPU beside the suite (7 Dec 2026): in `make test-all`. Still in `make test`:
+# the trainer's early end as a normal one (test_trainer.py's max_batch_wait_s test) and a
+# run's "after" evaluation and summary (the short run above).
+@pytest.mark.slow
 def test_a_run_whose_groups_all_score_equal_stops_training_early_and_still_evaluates(
         tiny_model_dir, tmp_path):
     """After step 1 every group scores equal and its env server drops it, so no batch

@@ -165,7 +165,7 @@ _ROW_EDGES: dict[int, tuple[Tensor, list[int]]] = {}
 def _remember_row_edges(bounds: Tensor, edges: list[int]) -> None:
     """Keep ``bounds``' values as Python ints for :func:`_varlen_sdpa`: reading a GPU
     tensor on the host waits for every queued kernel, and done in every layer's attention
-    it left the GPU idle while the host queued the next layer (docs/benchmarks.md has the
+    it left the GPU idle while the host queued the next layer (docs/benchmarks-gpu.md has the
     H200 figures). The last few are kept (the tensor with them, so its id is not
     reused), enough for a backward that recomputes checkpointed layers."""
     _ROW_EDGES[id(bounds)] = (bounds, edges)

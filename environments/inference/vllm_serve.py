@@ -81,7 +81,7 @@ def run_compiled_helpers_eagerly() -> bool:
     a few helpers in ``torch.compile``, with inductor on a CPU: the first request that asks
     for logprobs (every rollout's does) compiled the sampler's count of a token's rank, in
     every server started: 8-10 s of CPU with inductor's cache empty (a new machine), 1-3 s
-    with it (benchmarks/vllm_startup.py, docs/benchmarks.md). Eager, that count takes
+    with it (benchmarks/vllm_startup.py, docs/benchmarks-vllm-startup.md). Eager, that count takes
     about as long on a CPU (0.02-0.18 ms against 0.07-0.13 ms for 8-256 rows of 405
     logits). Dynamo off in this process, and in any vLLM spawns from it
     (``TORCHDYNAMO_DISABLE``; the engine core forked from it inherits the setting).

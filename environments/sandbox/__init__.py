@@ -19,6 +19,7 @@ from __future__ import annotations
 from environments.sandbox.base import (
     WORKSPACE,
     ExecResult,
+    MissingSystemPackage,
     Sandbox,
     SandboxConfig,
     SandboxError,
@@ -32,6 +33,7 @@ from environments.sandbox.reaper import reap
 __all__ = [
     "WORKSPACE",
     "ExecResult",
+    "MissingSystemPackage",
     "Sandbox",
     "SandboxConfig",
     "SandboxError",

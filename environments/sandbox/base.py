@@ -63,6 +63,17 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (start, exec machinery, daemon). Not the agent's doing."""
 
 
+class MissingSystemPackage(SandboxError):
+    """A program the sandbox needs is not on this machine: ``package`` is the Debian
+    package that brings it (``make system-deps`` installs them all)."""
+
+    def __init__(self, program: str, package: str, detail: str = "") -> None:
+        self.program, self.package = program, package
+        super().__init__(f"{program} is not installed (Debian/Ubuntu: apt-get install "
+                         f"{package}; `make system-deps` installs what the tests need)"
+                         + (f": {detail}" if detail else ""))
+
+
 class SandboxUsageError(ValueError):
     """A request the sandbox refuses (bad path, over a limit). Fit to show the model."""
 

@@ -41,6 +41,7 @@ from environments.sandbox.base import (
     ExecResult,
     Sandbox,
     SandboxConfig,
+    MissingSystemPackage,
     SandboxError,
     SandboxPathError,
     SandboxUsageError,
@@ -91,9 +92,9 @@ class BwrapSandbox(Sandbox):
         self._bwrap = shutil.which("bwrap")
         self._prlimit = shutil.which("prlimit")
         if self._bwrap is None:
-            raise SandboxError("bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)")
+            raise MissingSystemPackage("bwrap", "bubblewrap")
         if self._prlimit is None:
-            raise SandboxError("prlimit (util-linux) is not installed")
+            raise MissingSystemPackage("prlimit", "util-linux")
         root = Path(self.config.workspace_root or default_workspace_root())
         root.mkdir(parents=True, exist_ok=True)
         if root.stat().st_uid == os.geteuid():

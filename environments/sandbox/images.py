@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from environments.sandbox.base import DEFAULT_IMAGE, SandboxError
+from environments.sandbox.base import DEFAULT_IMAGE, MissingSystemPackage, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def build_rootfs(target: Path, *, mirror: str | None = None, log_file: Path | No
     """debootstrap RECIPE into ``target`` (root only), then strip it."""
     debootstrap = shutil.which("debootstrap")
     if debootstrap is None:
-        raise SandboxError("debootstrap is not installed (apt-get install debootstrap)")
+        raise MissingSystemPackage("debootstrap", "debootstrap", "it builds the sandbox image")
     if os.geteuid() != 0:
         raise SandboxError("building the sandbox image needs root (debootstrap)")
     mirror = mirror or os.environ.get("LACHESIS_DEBIAN_MIRROR", DEFAULT_MIRROR)
@@ -164,8 +164,7 @@ def ensure_dockerd(*, timeout_s: float = 90.0, log_path: str | Path | None = Non
         return None
     dockerd = shutil.which("dockerd")
     if dockerd is None:
-        raise SandboxError("no docker daemon answers and dockerd is not installed "
-                           "(apt-get install docker.io)")
+        raise MissingSystemPackage("dockerd", "docker.io", "no docker daemon answers")
     if os.geteuid() != 0:
         raise SandboxError("no docker daemon answers; starting dockerd needs root")
     log_path = Path(log_path or Path(tempfile.gettempdir()) / "lachesis-dockerd.log")

@@ -20,6 +20,7 @@ from pathlib import Path
 from environments.sandbox.base import (
     WORKSPACE,
     ExecResult,
+    MissingSystemPackage,
     SandboxError,
     SandboxUsageError,
     default_workspace_root,
@@ -41,7 +42,7 @@ class UnsafeSubprocessSandbox(BwrapSandbox):
                                     f"(ro_mounts: {sorted(self.config.ro_mounts)})")
         self._prlimit = shutil.which("prlimit")
         if self._prlimit is None:
-            raise SandboxError("prlimit (util-linux) is not installed")
+            raise MissingSystemPackage("prlimit", "util-linux")
         root = Path(self.config.workspace_root or default_workspace_root())
         root.mkdir(parents=True, exist_ok=True)
         self.dir = root / f"{owner_tag()}-{self.id}"

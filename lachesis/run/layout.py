@@ -363,7 +363,7 @@ def trainer_threads(alone: bool = False) -> dict[str, str]:
     half the machine's cores less one, at least 1. vLLM's engine and the env servers run
     beside it; torch's default (a thread per core) made its OpenMP threads wait for each
     other on cores the engine holds: on 2 cores the quickstart's update took 2.2 s with 2
-    threads, 0.8 s with 1 (benchmarks/rl_step_time.py, docs/benchmarks.md). ``alone``
+    threads, 0.8 s with 1 (benchmarks/rl_step_time.py, docs/benchmarks-rollout.md). ``alone``
     (the warm start, before anything else of the run starts): a thread per core; on 2
     cores the quickstart's SFT step took 0.10-0.12 s with 2 threads, 0.15 s with 1
     (median of 55 steps, twice each)."""
