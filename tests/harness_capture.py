@@ -1,4 +1,4 @@
-"""A capture server for agent harnesses: it speaks the three wire APIs just enough to
+"""A capture server for agent harnesses: it speaks the four wire APIs just enough to
 drive a harness through a two-turn episode and logs every request it gets.
 
     python tests/harness_capture.py --port 8799 --out /tmp/capture/pi
@@ -16,6 +16,8 @@ shape of the interception proxy. Replies, in the dialect of the path asked:
 * ``POST .../messages``: Anthropic Messages (JSON, or the named SSE events
   ``message_start`` ... ``message_stop``); ``POST .../messages/count_tokens`` answers
   ``{"input_tokens": N}``;
+* ``POST .../v1beta/models/M:generateContent`` / ``:streamGenerateContent`` (``alt=sse``):
+  Google Gemini; ``:countTokens`` answers ``{"totalTokens": N}``;
 * ``GET .../models``: a model list; any other ``GET`` / ``HEAD``: 200 ``{}``.
 
 What it answers: when the conversation already carries a tool result, the final text
@@ -80,7 +82,8 @@ def _tool_schema(tool: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 
 def _all_tools(tools: list[Any]) -> list[dict[str, Any]]:
-    """The tools, with those inside Responses ``namespace`` tools flattened out."""
+    """The tools, with those inside Responses ``namespace`` tools and Gemini
+    ``functionDeclarations`` flattened out."""
     found = []
     for tool in tools or []:
         if not isinstance(tool, dict):
@@ -88,6 +91,10 @@ def _all_tools(tools: list[Any]) -> list[dict[str, Any]]:
         found.append(tool)
         if tool.get("type") == "namespace":
             found += _all_tools(tool.get("tools") or [])
+        for declaration in tool.get("functionDeclarations") or []:
+            if isinstance(declaration, dict):
+                found.append({**declaration, "parameters": declaration.get(
+                    "parametersJsonSchema") or declaration.get("parameters") or {}})
     return found
 
 
@@ -131,6 +138,10 @@ def has_tool_result(body: dict[str, Any]) -> bool:
         content = message.get("content")
         if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") ==
                                              "tool_result" for b in content):
+            return True
+    for content in body.get("contents") or []:  # gemini
+        if isinstance(content, dict) and any(isinstance(p, dict) and "functionResponse" in p
+                                             for p in content.get("parts") or []):
             return True
     items = body.get("input")
     if isinstance(items, list):  # responses
@@ -204,6 +215,10 @@ class Capture:
                 return await responses(request, body)
             if path.endswith("/messages"):
                 return await messages(request, body, len(raw) // 4)
+            if path.endswith(":countTokens"):
+                return web.json_response({"totalTokens": max(1, len(raw) // 4)})
+            if path.endswith(("generateContent", "GenerateContent")):
+                return await gemini(request, body)
         if request.method in ("GET", "HEAD"):
             if path.endswith("/models"):
                 return web.json_response({"object": "list", "data": [
@@ -373,6 +388,31 @@ async def messages(request: web.Request, body: dict[str, Any],
     await send("message_delta", delta={"stop_reason": stop, "stop_sequence": None},
                usage={"output_tokens": 10})
     await send("message_stop")
+    await response.write_eof()
+    return response
+
+
+async def gemini(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """Gemini ``generateContent`` (JSON) / ``streamGenerateContent`` (SSE with
+    ``alt=sse``, else a JSON array of chunks)."""
+    call = decide(body)
+    if call:
+        name, args = call
+        part = {"functionCall": {"name": name, "args": args}}
+    else:
+        part = {"text": "done"}
+    n = USAGE["input_tokens"]
+    reply = {"candidates": [{"content": {"role": "model", "parts": [part]},
+                             "finishReason": "STOP", "index": 0}],
+             "usageMetadata": {"promptTokenCount": n, "candidatesTokenCount": 10,
+                               "totalTokenCount": n + 10},
+             "modelVersion": MODEL, "responseId": uuid.uuid4().hex[:16]}
+    if not request.path.endswith(":streamGenerateContent"):
+        return web.json_response(reply)
+    if request.query.get("alt") != "sse":
+        return web.json_response([reply])
+    response = await _start_sse(request)
+    await response.write(_sse(reply))
     await response.write_eof()
     return response
 

@@ -45,7 +45,7 @@ LAUNCHER = REPO / "environments" / "blackbox" / "agents" / "launch.py"
 
 def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
     assert set(HARNESSES) == {"pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                              "openai-agents"}
+                              "openai-agents", "gemini-cli"}
     for harness in HARNESSES.values():
         assert harness.version[0].isdigit() and harness.min_memory_mb <= harness.memory_mb
         launch = harness.launch(SPEC)
@@ -57,6 +57,9 @@ def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
         if harness.wire_api == "messages":
             assert launch.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8765/rollout/abc"
             assert launch.env["ANTHROPIC_API_KEY"] == SPEC.token
+        elif harness.wire_api == "gemini":
+            assert launch.env["GOOGLE_GEMINI_BASE_URL"] == "http://127.0.0.1:8765/rollout/abc"
+            assert launch.env["GEMINI_API_KEY"] == SPEC.token
         else:
             assert SPEC.base_url in everything and launch.env["OPENAI_API_KEY"] == SPEC.token
 
@@ -115,6 +118,18 @@ def test_claude_code_uses_the_rollout_model_everywhere_and_sends_no_extra_traffi
                 "DISABLE_TELEMETRY"):
         assert env[key] == "1"
     assert env["CLAUDE_CODE_MAX_RETRIES"] == "0" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "256"
+
+
+def test_gemini_cli_runs_headless_with_its_auth_preset_and_no_extra_model_calls():
+    launch = HARNESSES["gemini-cli"].launch(SPEC)
+    assert launch.argv[1:] == ["--yolo", "--model=tiny", f"--prompt={SPEC.task}"]
+    settings = json.loads(launch.files[".gemini/settings.json"])
+    assert settings["security"]["auth"]["selectedType"] == "gemini-api-key"
+    assert settings["model"]["compressionThreshold"] == 1.0
+    assert settings["model"]["disableLoopDetection"] is True
+    assert settings["privacy"]["usageStatisticsEnabled"] is False
+    assert settings["general"]["enableAutoUpdate"] is False
+    assert launch.env["GEMINI_CLI_TRUST_WORKSPACE"] == "true"
 
 
 def test_the_python_harnesses_run_their_own_python_without_our_packages():

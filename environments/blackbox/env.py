@@ -88,7 +88,7 @@ TAIL_CHARS = 500
 """How much of the agent's stdout and stderr an :class:`AgentError` quotes."""
 
 AgentName = Literal["command", "pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                    "openai-agents"]
+                    "openai-agents", "gemini-cli"]
 
 
 class AgentError(RuntimeError):
@@ -164,9 +164,9 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     agent: AgentName = "command"
     """The agent program: ``command`` (the env's ``agent_command``, by default the
     reference agent) or a harness of the catalog (``pi``, ``codex``, ``claude-code``,
-    ``opencode``, ``mini-swe-agent``, ``openai-agents``; see docs/harnesses.md), installed
-    at its pinned version on first use and run with the config that points it at the
-    proxy."""
+    ``opencode``, ``mini-swe-agent``, ``openai-agents``, ``gemini-cli``; see
+    docs/harnesses.md), installed at its pinned version on first use and run with the
+    config that points it at the proxy."""
     agent_env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables of the agent (e.g. ``AGENT_STREAM: "1"``); they win
     over the catalog's."""

@@ -15,7 +15,8 @@ sandbox is the sandbox), the environment variables, and the files written into t
 rollout's ``$HOME`` (its provider entry pointing at the proxy, and the settings that stop
 requests which would otherwise be recorded and trained as agent turns: Pi's compaction,
 OpenCode's title agent, Codex's compaction, Claude Code's title and quota calls,
-mini-swe-agent's retries, update checks, telemetry). docs/harnesses.md says, harness by
+Gemini CLI's compression and loop check, mini-swe-agent's retries, update checks,
+telemetry). docs/harnesses.md says, harness by
 harness, what was measured.
 
 Installs live in a cache, ``$LACHESIS_HARNESS_CACHE`` or ``~/.cache/lachesis/harnesses``
@@ -67,7 +68,7 @@ PYTHON = "/usr/bin/python3"
 """The Python that PyPI harnesses' venvs are made with: the sandbox's (its /usr is the
 host's)."""
 
-WireAPI = Literal["chat", "responses", "messages"]
+WireAPI = Literal["chat", "responses", "messages", "gemini"]
 
 
 class HarnessError(RuntimeError):
@@ -102,6 +103,12 @@ class RolloutSpec:
         """The base URL for Anthropic clients: the proxy's, without ``/v1`` (the client
         appends ``/v1/messages``)."""
         return self.base_url.removesuffix("/").removesuffix("/v1")
+
+    @property
+    def gemini_base_url(self) -> str:
+        """The base URL for Gemini clients: the proxy's, without ``/v1`` (the client
+        appends ``/v1beta/models/MODEL:ACTION``)."""
+        return self.anthropic_base_url
 
 
 @dataclass
@@ -283,6 +290,32 @@ def _claude_code(harness: Harness, rollout: RolloutSpec) -> Launch:
     return Launch(argv, env)
 
 
+def _gemini_cli(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # Compression runs when the reported prompt passes compressionThreshold x the CLI's
+    # window (1,048,576 tokens for a model it does not know): at 1.0 no episode gets
+    # there (the proxy's max_token_length ends one first). The loop check asks the model
+    # whether the agent is looping (an extra request) after 30 turns: off. The next-
+    # speaker check (an extra request after a reply without calls) is off by default:
+    # kept off. One attempt per request (the proxy's refusals are final).
+    settings = {
+        "security": {"auth": {"selectedType": "gemini-api-key"},
+                     "folderTrust": {"enabled": False}},
+        "model": {"compressionThreshold": 1.0, "disableLoopDetection": True,
+                  "skipNextSpeakerCheck": True},
+        "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False,
+                    "maxAttempts": 1, "retryFetchErrors": False,
+                    "checkpointing": {"enabled": False}},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False}}
+    env = {"GOOGLE_GEMINI_BASE_URL": rollout.gemini_base_url, "GEMINI_API_KEY": rollout.token,
+           "GEMINI_MODEL": rollout.model, "GEMINI_CLI_TRUST_WORKSPACE": "true",
+           # it re-executes itself with a heap of half the machine's memory otherwise
+           "GEMINI_CLI_NO_RELAUNCH": "true"}
+    argv = [harness.program(rollout), "--yolo", f"--model={rollout.model}",
+            f"--prompt={rollout.task}"]
+    return Launch(argv, env, {".gemini/settings.json": _json(settings)})
+
+
 def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {**_common(rollout), "MSWEA_CONFIGURED": "true",
            "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
@@ -356,6 +389,15 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
             notes="a HEAD probe of the base URL; a title request (json_schema output, no "
                   "tools) unless CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC; auto-compaction "
                   "off; retries 0; no non-streaming fallback"),
+    Harness("gemini-cli", "npm", "@google/gemini-cli", "0.61.0", "gemini",
+            "node_modules/.bin/gemini", min_memory_mb=2048, memory_mb=4096,
+            launcher=_gemini_cli, shell_tool=("run_shell_command", "command"),
+            notes="compression once the prompt passes compressionThreshold x its 1M-token "
+                  "window: threshold 1.0; the loop check's model calls off; the next-"
+                  "speaker check off (its default); maxAttempts 1; usage statistics, "
+                  "telemetry, auto-update off; folder trust preset by "
+                  "GEMINI_CLI_TRUST_WORKSPACE; GEMINI_CLI_NO_RELAUNCH (no child process "
+                  "with a larger heap)"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
