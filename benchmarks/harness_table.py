@@ -1,8 +1,9 @@
 """The harness table: each catalog harness, installed as shipped, run end to end through
 the interception proxy on vLLM, its groups checked and trained on.
 
-For each harness (``--harness``, default all six, and openai-agents a second time in its
-Chat Completions mode: seven rows): ``lachesis env process answer_file`` with ``agent:
+For each harness (``--harness``, default all eight, openai-agents a second time in its
+Chat Completions mode and Hermes Agent in its Responses and Anthropic Messages modes:
+eleven rows): ``lachesis env process answer_file`` with ``agent:
 NAME`` and ``script: true`` (one group of ``--group-size`` rollouts in bwrap
 sandboxes): the harness starts as shipped, its model calls reach the proxy in its own
 wire API, the proxy forces a two-turn episode (a call of the harness's shell tool writing
@@ -17,7 +18,7 @@ The model is a tiny random one with a tokenizer learned on the harnesses' captur
 32k context. Harnesses run ``--parallel`` at a time against one vLLM server. Prints one
 row per harness and, with ``--json``, writes the rows.
 
-    python benchmarks/harness_table.py                         # all six, groups of 2
+    python benchmarks/harness_table.py                         # every row, groups of 2
     python benchmarks/harness_table.py --harness pi codex --group-size 1 --json rows.json
 """
 
@@ -43,14 +44,24 @@ from environments.jsonl_store import read_groups  # noqa: E402
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "harness_requests"
 MAX_MODEL_LEN = 32768
-VARIANTS = {"openai-agents-chat": ("openai-agents", {"OPENAI_AGENTS_API": "chat_completions"})}
-"""Rows besides one per harness: (harness, ``agent_env``): openai-agents in its Chat
-Completions mode (the catalog's default is the Responses API)."""
+VARIANTS = {
+    "openai-agents-chat": ("openai-agents", {"OPENAI_AGENTS_API": "chat_completions"}, "chat"),
+    "hermes-responses": ("hermes", {"HERMES_API_MODE": "codex_responses"}, "responses"),
+    "hermes-messages": ("hermes", {"HERMES_API_MODE": "anthropic_messages"}, "messages")}
+"""Rows besides one per harness: (harness, ``agent_env``, wire API): openai-agents in its
+Chat Completions mode (the catalog's default is the Responses API), Hermes Agent in its
+Responses and Anthropic Messages modes (its default: Chat Completions)."""
 ROWS = [*HARNESSES, *VARIANTS]
 
 
 def row_agent(row: str) -> tuple[str, dict[str, str]]:
-    return VARIANTS.get(row, (row, {}))
+    name, agent_env, _ = VARIANTS.get(row, (row, {}, None))
+    return name, agent_env
+
+
+def row_wire_api(row: str) -> str:
+    """The wire API a row's harness speaks."""
+    return VARIANTS[row][2] if row in VARIANTS else HARNESSES[row].wire_api
 
 
 async def run_harness(label: str, model: Path, server_url: str, work: Path, group_size: int,
@@ -74,7 +85,7 @@ async def run_harness(label: str, model: Path, server_url: str, work: Path, grou
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stdout, stderr = await process.communicate()
     row = {"harness": label, "version": HARNESSES[name].version,
-           "wire_api": "chat" if agent_env else HARNESSES[name].wire_api,
+           "wire_api": row_wire_api(label),
            "exit": process.returncode,
            "seconds": round(time.monotonic() - started, 1), "out": str(out),
            "stderr_tail": stderr.decode(errors="replace")[-1500:]}
@@ -160,7 +171,8 @@ def print_table(summary: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--harness", nargs="+", default=ROWS, choices=ROWS,
-                        help="rows: a catalog harness, or openai-agents-chat")
+                        help="rows: a catalog harness, or a variant: "
+                        f"{', '.join(VARIANTS)}")
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=300.0)

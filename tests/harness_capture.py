@@ -71,7 +71,7 @@ def redact_headers(headers: Any) -> dict[str, str]:
 
 # -- what to answer ----------------------------------------------------------------------
 def _tool_schema(tool: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """(name, JSON schema of the arguments) of a tool in any of the three dialects."""
+    """(name, JSON schema of the arguments) of a tool in any of the four dialects."""
     if "function" in tool and isinstance(tool["function"], dict):  # chat completions
         return tool["function"].get("name"), tool["function"].get("parameters") or {}
     if tool.get("type") == "function":  # responses, flat
@@ -446,7 +446,7 @@ TASK = "Write the number 42 to answer.txt."
 
 
 async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
-                         image: str | None = None) -> int:
+                         image: str | None = None, env: dict[str, str] | None = None) -> int:
     """Install the catalog harness ``name``, run it in a sandbox exactly as a black-box
     env would (its install and config mounted read-only, ``$HOME`` seeded by the
     launcher, no network: the launcher forwards loopback to this server's Unix socket)
@@ -485,7 +485,7 @@ async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
             result = await box.exec(
                 ["python3", LAUNCHER, "--listen", "8765", "--socket",
                  "/run/lachesis/capture.sock", *options, "--", *launch.argv],
-                env={**launch.env, "HOME": SANDBOX_HOME})
+                env={**launch.env, **(env or {}), "HOME": SANDBOX_HOME})
             try:
                 answer = (await box.read_file("answer.txt")).decode()
             except FileNotFoundError:
@@ -510,6 +510,8 @@ if __name__ == "__main__":
     parser.add_argument("--backend", default="bwrap", help="with --harness: the sandbox "
                         "backend (bwrap or docker)")
     parser.add_argument("--image", help="with --harness --backend docker: the image")
+    parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="with --harness: variables over the catalog's (as agent_env)")
     parser.add_argument("--input-tokens", type=int, default=None,
                         help="input tokens every reply reports (default: 100; Anthropic: "
                              "the body's size / 4)")
@@ -517,6 +519,7 @@ if __name__ == "__main__":
     if args.input_tokens is not None:
         USAGE.update(input_tokens=args.input_tokens, forced=args.input_tokens)
     if args.harness:
-        raise SystemExit(asyncio.run(run_in_sandbox(args.harness, args.out, args.backend,
-                                                    args.image)))
+        raise SystemExit(asyncio.run(run_in_sandbox(
+            args.harness, args.out, args.backend, args.image,
+            dict(item.split("=", 1) for item in args.env))))
     asyncio.run(serve(args.port, args.out))

@@ -45,7 +45,7 @@ LAUNCHER = REPO / "environments" / "blackbox" / "agents" / "launch.py"
 
 def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
     assert set(HARNESSES) == {"pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                              "openai-agents", "gemini-cli"}
+                              "openai-agents", "gemini-cli", "hermes"}
     for harness in HARNESSES.values():
         assert harness.version[0].isdigit() and harness.min_memory_mb <= harness.memory_mb
         launch = harness.launch(SPEC)
@@ -60,8 +60,8 @@ def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
         elif harness.wire_api == "gemini":
             assert launch.env["GOOGLE_GEMINI_BASE_URL"] == "http://127.0.0.1:8765/rollout/abc"
             assert launch.env["GEMINI_API_KEY"] == SPEC.token
-        else:
-            assert SPEC.base_url in everything and launch.env["OPENAI_API_KEY"] == SPEC.token
+        else:  # (Hermes: in its config.yaml)
+            assert SPEC.base_url in everything and SPEC.token in everything
 
 
 def test_pi_has_its_provider_entry_and_no_compaction_nor_retries():
@@ -130,6 +130,23 @@ def test_gemini_cli_runs_headless_with_its_auth_preset_and_no_extra_model_calls(
     assert settings["privacy"]["usageStatisticsEnabled"] is False
     assert settings["general"]["enableAutoUpdate"] is False
     assert launch.env["GEMINI_CLI_TRUST_WORKSPACE"] == "true"
+
+
+def test_hermes_has_its_provider_in_config_yaml_and_no_extra_model_calls():
+    launch = HARNESSES["hermes"].launch(SPEC)
+    config = json.loads(launch.files[".hermes/config.yaml"])  # (JSON is YAML)
+    provider = config["providers"][config["model"]["provider"]]
+    assert provider == {"api": SPEC.base_url, "api_key": SPEC.token,
+                        "transport": "${HERMES_API_MODE}", "discover_models": False}
+    assert launch.env["HERMES_API_MODE"] == "chat_completions"
+    assert config["model"]["context_length"] == 8192  # (no GET /models probe)
+    assert config["compression"]["enabled"] is False
+    assert config["auxiliary"]["title_generation"]["enabled"] is False
+    assert config["approvals"]["mode"] == "off"
+    assert config["memory"]["memory_enabled"] is False
+    assert config["skills"]["creation_nudge_interval"] == 0
+    assert launch.env["HERMES_HOME"] == f"{SANDBOX_HOME}/.hermes"
+    assert launch.argv[1:] == ["-m", "hermes_cli.main", "-z", SPEC.task]
 
 
 def test_the_python_harnesses_run_their_own_python_without_our_packages():

@@ -88,7 +88,7 @@ TAIL_CHARS = 500
 """How much of the agent's stdout and stderr an :class:`AgentError` quotes."""
 
 AgentName = Literal["command", "pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                    "openai-agents", "gemini-cli"]
+                    "openai-agents", "gemini-cli", "hermes"]
 
 
 class AgentError(RuntimeError):

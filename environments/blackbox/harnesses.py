@@ -316,6 +316,38 @@ def _gemini_cli(harness: Harness, rollout: RolloutSpec) -> Launch:
     return Launch(argv, env, {".gemini/settings.json": _json(settings)})
 
 
+HERMES_API_MODES = ("chat_completions", "codex_responses", "anthropic_messages")
+"""Hermes Agent's wire APIs (``HERMES_API_MODE`` in ``agent_env`` picks one; default the
+first): Chat Completions, the Responses API, Anthropic Messages."""
+
+
+def _hermes(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # Its extra model calls: context compression (from 50 % of the window, floored at
+    # 75 % below 512k), the session title, "smart" approvals of shell commands, and the
+    # background memory / skill review (a replay of the conversation every 10 turns /
+    # tool iterations): all off. context_length: no GET {base}/models probe. The
+    # provider's transport is read from HERMES_API_MODE (Hermes expands ${VAR}).
+    config = {
+        "model": {"provider": "lachesis", "default": rollout.model,
+                  "context_length": rollout.context_window,
+                  "max_tokens": rollout.max_output_tokens},
+        "providers": {"lachesis": {"api": rollout.base_url, "api_key": rollout.token,
+                                   "transport": "${HERMES_API_MODE}",
+                                   "discover_models": False}},
+        "compression": {"enabled": False},
+        "auxiliary": {"title_generation": {"enabled": False}},
+        "approvals": {"mode": "off"},
+        "memory": {"memory_enabled": False, "user_profile_enabled": False,
+                   "nudge_interval": 0},
+        "skills": {"creation_nudge_interval": 0},
+        "curator": {"enabled": False},
+        "agent": {"api_max_retries": 1}}
+    env = {"HERMES_HOME": f"{rollout.home}/.hermes", "HERMES_API_MODE": HERMES_API_MODES[0]}
+    argv = [harness.program(rollout), "-m", "hermes_cli.main", "-z", rollout.task]
+    return Launch(argv, env, {".hermes/config.yaml": _json(config),
+                              ".hermes/.no-bundled-skills": ""})
+
+
 def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {**_common(rollout), "MSWEA_CONFIGURED": "true",
            "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
@@ -404,6 +436,13 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
             notes="litellm retries a 4xx 10 times with backoff: "
                   "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1; a reply without a tool call is "
                   "a format error left out of the next request's history (a new segment)"),
+    Harness("hermes", "pypi", "hermes-agent", "0.19.0", "chat", "bin/python",
+            min_memory_mb=2048, memory_mb=4096, launcher=_hermes,
+            pip_requirements=("anthropic==0.87.0",), shell_tool=("terminal", "command"),
+            notes="compression, title generation, smart approvals, the memory / skill "
+                  "review and the curator off; no bundled skills; model.context_length "
+                  "set (no /models probe); HERMES_API_MODE (agent_env) picks "
+                  "chat_completions, codex_responses or anthropic_messages"),
     Harness("openai-agents", "pypi", "openai-agents", "0.24.0", "responses", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_openai_agents,
             notes="Lachesis's openai_agents_agent.py on the SDK, streamed; "
