@@ -149,6 +149,30 @@ def test_hermes_has_its_provider_in_config_yaml_and_no_extra_model_calls():
     assert launch.argv[1:] == ["-m", "hermes_cli.main", "-z", SPEC.task]
 
 
+def test_harness_compaction_stays_off_unless_asked_for_then_is_sized_to_the_window():
+    import dataclasses
+
+    def compaction(spec):
+        launch = {name: h.launch(spec) for name, h in HARNESSES.items()}
+        return {
+            "pi": json.loads(launch["pi"].files[".pi/agent/settings.json"])["compaction"][
+                "enabled"],
+            "opencode": "OPENCODE_DISABLE_AUTOCOMPACT" not in launch["opencode"].env,
+            "codex": tomllib.loads(launch["codex"].files[".codex/config.toml"])[
+                "model_context_window"],
+            "claude-code": "DISABLE_AUTO_COMPACT" not in launch["claude-code"].env,
+            "gemini-cli": json.loads(launch["gemini-cli"].files[".gemini/settings.json"])[
+                "model"]["compressionThreshold"] * 1048576,
+            "hermes": json.loads(launch["hermes"].files[".hermes/config.yaml"])[
+                "compression"]["enabled"]}
+
+    assert compaction(SPEC) == {"pi": False, "opencode": False, "codex": 10**9,
+                                "claude-code": False, "gemini-cli": 1048576, "hermes": False}
+    assert compaction(dataclasses.replace(SPEC, compaction=True)) == {
+        "pi": True, "opencode": True, "codex": 8192, "claude-code": True,
+        "gemini-cli": 4096, "hermes": True}
+
+
 def test_the_python_harnesses_run_their_own_python_without_our_packages():
     mini = HARNESSES["mini-swe-agent"].launch(SPEC)
     assert mini.argv[:3] == [f"{HARNESS_MOUNT}/bin/python", "-m", "minisweagent.run.mini"]

@@ -97,6 +97,9 @@ class RolloutSpec:
     size their prompts or reserve room by it."""
     max_output_tokens: int = 1024
     """Tokens per reply the harness should ask for at most."""
+    compaction: bool = False
+    """Leave the harness's own context compaction on (``harness_compaction``), sized to
+    ``context_window``; off by default."""
 
     @property
     def anthropic_base_url(self) -> str:
@@ -179,7 +182,7 @@ def _pi(harness: Harness, rollout: RolloutSpec) -> Launch:
         "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
         "models": [{"id": rollout.model, "contextWindow": rollout.context_window,
                     "maxTokens": rollout.max_output_tokens}]}}}
-    settings = {"compaction": {"enabled": False},
+    settings = {"compaction": {"enabled": rollout.compaction},
                 "retry": {"enabled": False, "provider": {"maxRetries": 0}},
                 "enableInstallTelemetry": False}
     env = {**_common(rollout), "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1",
@@ -204,8 +207,9 @@ def _opencode(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {**_common(rollout), "OPENCODE_CONFIG_CONTENT": json.dumps(config),
            "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1",
-           "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_AUTOCOMPACT": "1",
-           "OPENCODE_DISABLE_PRUNE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1"}
+           "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1"}
+    if not rollout.compaction:
+        env.update({"OPENCODE_DISABLE_AUTOCOMPACT": "1", "OPENCODE_DISABLE_PRUNE": "1"})
     # The task goes on stdin: `opencode run MESSAGE` wraps an argument with spaces in
     # quotes before the model sees it.
     argv = [harness.program(rollout), "run", "--pure", "--auto", "-m",
@@ -236,6 +240,8 @@ def _codex(harness: Harness, rollout: RolloutSpec) -> Launch:
     # reports passes 90 % of the window it believes in, whatever
     # model_auto_compact_token_limit says: it is told of a window no episode reaches, so
     # the proxy's max_token_length ends an episode (context_length_exceeded) instead.
+    # With compaction on it is told the proxy's window.
+    window = rollout.context_window if rollout.compaction else 1000000000
     config = "\n".join([
         f"model = {_toml(rollout.model)}",
         'model_provider = "lachesis"',
@@ -243,8 +249,8 @@ def _codex(harness: Harness, rollout: RolloutSpec) -> Launch:
         'sandbox_mode = "danger-full-access"',
         "check_for_update_on_startup = false",
         'web_search = "disabled"',
-        "model_context_window = 1000000000",
-        "model_auto_compact_token_limit = 1000000000",
+        f"model_context_window = {window}",
+        f"model_auto_compact_token_limit = {window}",
         "",
         "[model_providers.lachesis]",
         'name = "Lachesis"',
@@ -277,7 +283,7 @@ def _claude_code(harness: Harness, rollout: RolloutSpec) -> Launch:
         # the title request, telemetry, error reports, update checks
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_UPDATES": "1",
-        "DISABLE_AUTO_COMPACT": "1", "CLAUDE_CODE_MAX_RETRIES": "0",
+        "CLAUDE_CODE_MAX_RETRIES": "0",
         "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
         "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
         # a per-request hash at the head of the system prompt
@@ -285,9 +291,15 @@ def _claude_code(harness: Harness, rollout: RolloutSpec) -> Launch:
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(rollout.max_output_tokens),
         # --dangerously-skip-permissions refuses to run as root unless told it is sandboxed
         "IS_SANDBOX": "1"}
+    if not rollout.compaction:
+        env["DISABLE_AUTO_COMPACT"] = "1"
     argv = [harness.program(rollout), "-p", "--dangerously-skip-permissions", "--",
             rollout.task]
     return Launch(argv, env)
+
+
+GEMINI_WINDOW = 1048576
+"""The context window Gemini CLI 0.61 assumes for a model it does not know."""
 
 
 def _gemini_cli(harness: Harness, rollout: RolloutSpec) -> Launch:
@@ -296,11 +308,14 @@ def _gemini_cli(harness: Harness, rollout: RolloutSpec) -> Launch:
     # there (the proxy's max_token_length ends one first). The loop check asks the model
     # whether the agent is looping (an extra request) after 30 turns: off. The next-
     # speaker check (an extra request after a reply without calls) is off by default:
-    # kept off. One attempt per request (the proxy's refusals are final).
+    # kept off. One attempt per request (the proxy's refusals are final). With compaction
+    # on, it compresses at half the proxy's window (its default fraction, 0.5, of the
+    # window it would assume).
+    threshold = 0.5 * rollout.context_window / GEMINI_WINDOW if rollout.compaction else 1.0
     settings = {
         "security": {"auth": {"selectedType": "gemini-api-key"},
                      "folderTrust": {"enabled": False}},
-        "model": {"compressionThreshold": 1.0, "disableLoopDetection": True,
+        "model": {"compressionThreshold": threshold, "disableLoopDetection": True,
                   "skipNextSpeakerCheck": True},
         "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False,
                     "maxAttempts": 1, "retryFetchErrors": False,
@@ -334,7 +349,7 @@ def _hermes(harness: Harness, rollout: RolloutSpec) -> Launch:
         "providers": {"lachesis": {"api": rollout.base_url, "api_key": rollout.token,
                                    "transport": "${HERMES_API_MODE}",
                                    "discover_models": False}},
-        "compression": {"enabled": False},
+        "compression": {"enabled": rollout.compaction},
         "auxiliary": {"title_generation": {"enabled": False}},
         "approvals": {"mode": "off"},
         "memory": {"memory_enabled": False, "user_profile_enabled": False,
