@@ -53,7 +53,7 @@ COMMAND = "echo 42 > answer.txt"
 SHELL_NAMES = ("bash", "Bash", "shell", "exec_command", "run_shell_command", "shell_command",
                "execute_bash", "terminal", "run_command")
 SECRET_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
-                  "anthropic-api-key", "openai-api-key"}
+                  "anthropic-api-key", "openai-api-key", "x-goog-api-key"}
 MODEL = "tiny"
 USAGE = {"input_tokens": 100}
 """The input token count the replies report (``--input-tokens``: to see what a harness
@@ -446,7 +446,8 @@ TASK = "Write the number 42 to answer.txt."
 
 
 async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
-                         image: str | None = None, env: dict[str, str] | None = None) -> int:
+                         image: str | None = None, env: dict[str, str] | None = None,
+                         memory_mb: int | None = None) -> int:
     """Install the catalog harness ``name``, run it in a sandbox exactly as a black-box
     env would (its install and config mounted read-only, ``$HOME`` seeded by the
     launcher, no network: the launcher forwards loopback to this server's Unix socket)
@@ -477,7 +478,8 @@ async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
         if launch.stdin is not None:
             options += ["--stdin", f"{HOME_SEED}/stdin"]
         config = SandboxConfig(
-            backend=backend, image=image, memory_mb=harness.memory_mb, timeout_s=300,
+            backend=backend, image=image, memory_mb=memory_mb or harness.memory_mb,
+            timeout_s=300,
             cpu_time_s=600, max_output_bytes=1 << 20, ro_mounts={
                 str(build_runtime()): MOUNT, str(work / "socket"): "/run/lachesis",
                 str(root): HARNESS_MOUNT, str(work / "seed"): HOME_SEED})
@@ -512,6 +514,8 @@ if __name__ == "__main__":
     parser.add_argument("--image", help="with --harness --backend docker: the image")
     parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="with --harness: variables over the catalog's (as agent_env)")
+    parser.add_argument("--memory-mb", type=int, help="with --harness: the sandbox's memory "
+                        "limit (default: the catalog's memory_mb)")
     parser.add_argument("--input-tokens", type=int, default=None,
                         help="input tokens every reply reports (default: 100; Anthropic: "
                              "the body's size / 4)")
@@ -521,5 +525,5 @@ if __name__ == "__main__":
     if args.harness:
         raise SystemExit(asyncio.run(run_in_sandbox(
             args.harness, args.out, args.backend, args.image,
-            dict(item.split("=", 1) for item in args.env))))
+            dict(item.split("=", 1) for item in args.env), args.memory_mb)))
     asyncio.run(serve(args.port, args.out))

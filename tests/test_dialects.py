@@ -224,7 +224,9 @@ EPISODES = {"pi": ("bash", "chat"), "opencode": ("bash", "chat"),
             "openai-agents-responses": ("bash", "responses"),
             "openai-agents-responses-stream": ("bash", "responses"),
             "openai-agents-chat": ("bash", "chat"), "openai-agents-chat-stream": ("bash", "chat"),
-            "gemini-cli": ("run_shell_command", "gemini")}
+            "gemini-cli": ("run_shell_command", "gemini"), "hermes": ("terminal", "chat"),
+            "hermes-responses": ("terminal", "responses"),
+            "hermes-messages": ("terminal", "messages")}
 
 
 @pytest.mark.parametrize("harness", sorted(EPISODES))

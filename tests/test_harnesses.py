@@ -139,7 +139,7 @@ def test_hermes_has_its_provider_in_config_yaml_and_no_extra_model_calls():
     assert provider == {"api": SPEC.base_url, "api_key": SPEC.token,
                         "transport": "${HERMES_API_MODE}", "discover_models": False}
     assert launch.env["HERMES_API_MODE"] == "chat_completions"
-    assert config["model"]["context_length"] == 8192  # (no GET /models probe)
+    assert config["model"]["context_length"] == 64000  # (no /models probe; its minimum)
     assert config["compression"]["enabled"] is False
     assert config["auxiliary"]["title_generation"]["enabled"] is False
     assert config["approvals"]["mode"] == "off"

@@ -325,7 +325,10 @@ def _gemini_cli(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {"GOOGLE_GEMINI_BASE_URL": rollout.gemini_base_url, "GEMINI_API_KEY": rollout.token,
            "GEMINI_MODEL": rollout.model, "GEMINI_CLI_TRUST_WORKSPACE": "true",
            # it re-executes itself with a heap of half the machine's memory otherwise
-           "GEMINI_CLI_NO_RELAUNCH": "true"}
+           "GEMINI_CLI_NO_RELAUNCH": "true",
+           # (as Pi: its WebAssembly HTTP parser fails to reserve memory under bwrap's
+           # address-space limit without this)
+           "NODE_OPTIONS": "--disable-wasm-trap-handler"}
     argv = [harness.program(rollout), "--yolo", f"--model={rollout.model}",
             f"--prompt={rollout.task}"]
     return Launch(argv, env, {".gemini/settings.json": _json(settings)})
@@ -336,15 +339,21 @@ HERMES_API_MODES = ("chat_completions", "codex_responses", "anthropic_messages")
 first): Chat Completions, the Responses API, Anthropic Messages."""
 
 
+HERMES_MIN_CONTEXT = 64000
+"""The smallest context window Hermes Agent 0.19 runs with."""
+
+
 def _hermes(harness: Harness, rollout: RolloutSpec) -> Launch:
     # Its extra model calls: context compression (from 50 % of the window, floored at
     # 75 % below 512k), the session title, "smart" approvals of shell commands, and the
     # background memory / skill review (a replay of the conversation every 10 turns /
-    # tool iterations): all off. context_length: no GET {base}/models probe. The
-    # provider's transport is read from HERMES_API_MODE (Hermes expands ${VAR}).
+    # tool iterations): all off. context_length: no GET {base}/models probe; Hermes
+    # refuses to start below 64,000 (the proxy's max_token_length still ends an episode
+    # that outgrows the real window). The provider's transport is read from
+    # HERMES_API_MODE (Hermes expands ${VAR}).
     config = {
         "model": {"provider": "lachesis", "default": rollout.model,
-                  "context_length": rollout.context_window,
+                  "context_length": max(rollout.context_window, HERMES_MIN_CONTEXT),
                   "max_tokens": rollout.max_output_tokens},
         "providers": {"lachesis": {"api": rollout.base_url, "api_key": rollout.token,
                                    "transport": "${HERMES_API_MODE}",
@@ -444,7 +453,8 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "speaker check off (its default); maxAttempts 1; usage statistics, "
                   "telemetry, auto-update off; folder trust preset by "
                   "GEMINI_CLI_TRUST_WORKSPACE; GEMINI_CLI_NO_RELAUNCH (no child process "
-                  "with a larger heap)"),
+                  "with a larger heap); NODE_OPTIONS=--disable-wasm-trap-handler (its "
+                  "WebAssembly fails under the sandbox's address-space limit otherwise)"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
@@ -452,7 +462,7 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1; a reply without a tool call is "
                   "a format error left out of the next request's history (a new segment)"),
     Harness("hermes", "pypi", "hermes-agent", "0.19.0", "chat", "bin/python",
-            min_memory_mb=2048, memory_mb=4096, launcher=_hermes,
+            min_memory_mb=1024, memory_mb=2048, launcher=_hermes,
             pip_requirements=("anthropic==0.87.0",), shell_tool=("terminal", "command"),
             notes="compression, title generation, smart approvals, the memory / skill "
                   "review and the curator off; no bundled skills; model.context_length "
