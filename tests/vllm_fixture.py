@@ -120,7 +120,7 @@ async def reload_original(server) -> None:
     trained weights into the session's server ends with this). The reload goes through
     the trainer's own checkpoint writer: an in-place reload needs the tied
     ``lm_head.weight`` in the checkpoint, which a plain ``save_pretrained`` leaves out
-    (trainer/vllm_sync.py, ``write_tied_weights``)."""
+    (environments/inference/tied_weights.py, ``write_tied_weights``)."""
     import aiohttp
     from transformers import AutoModelForCausalLM
 

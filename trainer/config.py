@@ -12,6 +12,10 @@ from environments.settings import load_settings, run_token
 from trainer.lora import LoraSettings
 
 
+ALIGNMENT_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+"""``alignment_tolerance``'s default per dtype."""
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -170,7 +174,9 @@ class TrainConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(default=1e-8, gt=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """``auto``: bfloat16 on a GPU that supports it and on a CPU with AMX-BF16 or
+    AVX512-BF16, float32 elsewhere (environments/inference/dtypes.py)."""
     sharding: Literal["auto", "replicate", "fsdp"] = "auto"
     """Under ``torchrun``: ``fsdp`` shards parameters, gradients and optimizer state over
     the ranks (FSDP2 ``fully_shard``); ``replicate`` keeps a full copy per rank and
@@ -242,7 +248,21 @@ class TrainConfig(BaseModel):
     # alignment check
     check_alignment: bool = True
     """At step 0, compare the trainer's logprobs of the first batch with vLLM's."""
-    alignment_tolerance: float = Field(default=1e-3, gt=0)
+    alignment_tolerance: float | None = Field(default=None, gt=0)
+    """None: 1e-3 in float32 (an off-by-one token or mask shows as O(1)), 5e-2 in
+    bfloat16, whose rounding alone leaves about 1.6e-2 between the trainer's CPU kernels
+    and vLLM's (SmolLM2-135M, docs/packaged-models.md). Also the bound of ``check_sync``."""
+
+    def alignment_bound(self) -> float:
+        """``alignment_tolerance``, or its default for the dtype the trainer runs in."""
+        if self.alignment_tolerance is not None:
+            return self.alignment_tolerance
+        from environments.inference.dtypes import resolve_dtype
+
+        import torch
+
+        dtype = resolve_dtype(self.dtype, gpu=torch.cuda.is_available())
+        return ALIGNMENT_TOLERANCE[dtype]
     # run
     run_dir: Path = Path("runs/train")
     """Metrics (metrics.jsonl, TensorBoard), checkpoints and synced weights go here."""

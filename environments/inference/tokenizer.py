@@ -82,8 +82,12 @@ def _record(record: Path, cls: type) -> None:
 
 def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
     """``AutoTokenizer.from_pretrained(name_or_path)``, through the recorded class where
-    this directory's is known."""
-    return _load(str(name_or_path), _record_path(Path(str(name_or_path))))
+    this directory's is known; a packaged model's name loads its checkpoint's
+    (:mod:`environments.inference.packaged_models`)."""
+    from environments.inference.packaged_models import resolve_model
+
+    name = resolve_model(str(name_or_path))
+    return _load(name, _record_path(Path(name)))
 
 
 def _load(name: str, record: Path | None) -> Any:

@@ -57,6 +57,8 @@ class VLLMSettings(_Section):
     """The first replica's port (replica i: port + i); None: free ports."""
     max_model_len: int = Field(default=4096, ge=16)
     dtype: str = "float32"
+    """vLLM's ``--dtype``; ``auto``: bfloat16 on GPUs and on CPUs with AMX-BF16 or
+    AVX512-BF16, float32 on other CPUs (environments/inference/dtypes.py)."""
     kv_cache_gib: int = Field(default=2, ge=1)
     """KV cache of the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)

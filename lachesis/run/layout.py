@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from environments.inference.dtypes import resolve_dtype
 from lachesis.run.config import EnvSettings, RunConfig, env_facts, env_process_environment
 
 
@@ -239,7 +240,9 @@ def build_layout(config: RunConfig, model: str | None = None,
         name = "vllm" if v.replicas == 1 else f"vllm-{i}"
         server = VLLMProcess(model, host=place.host(name),
                              port=place.port(name, v.port + i if v.port else None),
-                             max_model_len=v.max_model_len, dtype=v.dtype,
+                             max_model_len=v.max_model_len,
+                             dtype=resolve_dtype(v.dtype) if devices is None
+                             else "bfloat16" if v.dtype == "auto" else v.dtype,
                              kv_cache_space_gib=v.kv_cache_gib, dev_mode=True,
                              gpu_memory_utilization=v.gpu_memory_utilization,
                              served_model_name="policy", guarded=True,

@@ -419,8 +419,10 @@ class Supervisor:
 
     # -- phases --------------------------------------------------------------------------
     def prepare_model(self) -> str:
+        from environments.inference.packaged_models import resolve_model
+
         config = self.config
-        model = config.model
+        model = resolve_model(config.model, self.say)  # a packaged model: its checkpoint
         if config.build_tiny_model and not Path(model).exists():
             from lachesis.tiny_model import make_tiny_model
 
@@ -759,6 +761,8 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
     try:
         summary = supervisor.run()
         print(summary.get("table", ""), flush=True)
+        for text in summary.get("transcripts", []):
+            print(text, flush=True)
         print(summary.get("time_table", ""), flush=True)
         if summary.get("stopped_early"):
             print(stopped_early_text(summary["stopped_early"]), flush=True)
