@@ -1,9 +1,9 @@
 """The harness table: each catalog harness, installed as shipped, run end to end through
 the interception proxy on vLLM, its groups checked and trained on.
 
-For each harness (``--harness``, default all eight, openai-agents a second time in its
-Chat Completions mode and Hermes Agent in its Responses and Anthropic Messages modes:
-eleven rows): ``lachesis env process answer_file`` with ``agent:
+For each harness (``--harness``, default all ten, and the variants: openai-agents a
+second time in its Chat Completions mode, Hermes Agent in its Responses and Anthropic
+Messages modes, Kimi Code in its Responses mode: fourteen rows): ``lachesis env process answer_file`` with ``agent:
 NAME`` and ``script: true`` (one group of ``--group-size`` rollouts in bwrap
 sandboxes): the harness starts as shipped, its model calls reach the proxy in its own
 wire API, the proxy forces a two-turn episode (a call of the harness's shell tool writing
@@ -47,10 +47,13 @@ MAX_MODEL_LEN = 32768
 VARIANTS = {
     "openai-agents-chat": ("openai-agents", {"OPENAI_AGENTS_API": "chat_completions"}, "chat"),
     "hermes-responses": ("hermes", {"HERMES_API_MODE": "codex_responses"}, "responses"),
-    "hermes-messages": ("hermes", {"HERMES_API_MODE": "anthropic_messages"}, "messages")}
+    "hermes-messages": ("hermes", {"HERMES_API_MODE": "anthropic_messages"}, "messages"),
+    "kimi-code-responses": ("kimi-code", {"KIMI_MODEL_PROVIDER_TYPE": "openai_responses"},
+                            "responses")}
 """Rows besides one per harness: (harness, ``agent_env``, wire API): openai-agents in its
 Chat Completions mode (the catalog's default is the Responses API), Hermes Agent in its
-Responses and Anthropic Messages modes (its default: Chat Completions)."""
+Responses and Anthropic Messages modes (its default: Chat Completions), Kimi Code in its
+Responses mode (its default here: Chat Completions)."""
 ROWS = [*HARNESSES, *VARIANTS]
 
 
