@@ -68,7 +68,7 @@ def row_wire_api(row: str) -> str:
 
 
 async def run_harness(label: str, model: Path, server_url: str, work: Path, group_size: int,
-                      timeout_s: float) -> dict:
+                      timeout_s: float, settings: dict | None = None) -> dict:
     """``lachesis env process answer_file`` with the row's ``agent``; the row's facts."""
     name, agent_env = row_agent(label)
     folder = work / label
@@ -79,7 +79,8 @@ async def run_harness(label: str, model: Path, server_url: str, work: Path, grou
         "agent_env": agent_env,
         "script": True, "group_size": group_size, "max_token_length": MAX_MODEL_LEN - 512,
         "max_tokens_per_turn": 256, "agent_timeout_s": timeout_s, "concurrency": group_size,
-        "sandbox_backend": "bwrap", "spool_path": str(folder / "spool.jsonl")}))
+        "sandbox_backend": "bwrap", "spool_path": str(folder / "spool.jsonl"),
+        **(settings or {})}))
     out = folder / "groups.jsonl"
     started = time.monotonic()
     process = await asyncio.create_subprocess_exec(
@@ -96,6 +97,8 @@ async def run_harness(label: str, model: Path, server_url: str, work: Path, grou
     trajectories = [t for g in groups for t in g.trajectories]
     row["rollouts"] = len(trajectories)
     row["turns"] = [len(t.turn_spans) for t in trajectories]
+    row["first_prompt_tokens"] = [t.turn_spans[0][0] if t.turn_spans else None
+                                  for t in trajectories]
     row["tool_results"] = [sum(m.role == "tool" for m in t.messages) for t in trajectories]
     row["segments"] = [1 + len(t.segment_starts or []) for t in trajectories]
     row["solved"] = [t.scores[-1] == 1.0 for t in trajectories]
@@ -116,7 +119,7 @@ def trainer(model: Path, data: Path, run_dir: Path, batch_size: int, *extra: str
 
 
 async def table(names: list[str], group_size: int, parallel: int, timeout_s: float,
-                work: Path) -> dict:
+                work: Path, settings: dict | None = None) -> dict:
     from environments.inference.vllm_process import VLLMProcess
     from lachesis.tiny_model import make_tiny_model
 
@@ -135,7 +138,8 @@ async def table(names: list[str], group_size: int, parallel: int, timeout_s: flo
 
         async def one(name: str) -> dict:
             async with gate:
-                return await run_harness(name, model, server.url, work, group_size, timeout_s)
+                return await run_harness(name, model, server.url, work, group_size, timeout_s,
+                                         settings)
 
         rows = await asyncio.gather(*(one(name) for name in names))
     data = work / "all.jsonl"
@@ -181,12 +185,17 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--work", type=Path, help="where the groups go (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the rows and results here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="env settings over the table's (a YAML value each), e.g. "
+                        "harness_compaction=true max_token_length=20000")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="harness-table-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = {key: yaml.safe_load(value) for key, value in
+                (item.split("=", 1) for item in args.set)}
     summary = asyncio.run(table(args.harness, args.group_size, args.parallel, args.timeout_s,
-                                work))
+                                work, settings))
     print_table(summary)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
