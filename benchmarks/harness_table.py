@@ -1,8 +1,9 @@
 """The harness table: each catalog harness, installed as shipped, run end to end through
 the interception proxy on vLLM, its groups checked and trained on.
 
-For each harness (``--harness``, default all six, and openai-agents a second time in its
-Chat Completions mode: seven rows): ``lachesis env process answer_file`` with ``agent:
+For each harness (``--harness``, default all ten, and the variants: openai-agents a
+second time in its Chat Completions mode, Hermes Agent in its Responses and Anthropic
+Messages modes, Kimi Code in its Responses mode: fourteen rows): ``lachesis env process answer_file`` with ``agent:
 NAME`` and ``script: true`` (one group of ``--group-size`` rollouts in bwrap
 sandboxes): the harness starts as shipped, its model calls reach the proxy in its own
 wire API, the proxy forces a two-turn episode (a call of the harness's shell tool writing
@@ -17,7 +18,7 @@ The model is a tiny random one with a tokenizer learned on the harnesses' captur
 32k context. Harnesses run ``--parallel`` at a time against one vLLM server. Prints one
 row per harness and, with ``--json``, writes the rows.
 
-    python benchmarks/harness_table.py                         # all six, groups of 2
+    python benchmarks/harness_table.py                         # every row, groups of 2
     python benchmarks/harness_table.py --harness pi codex --group-size 1 --json rows.json
 """
 
@@ -43,18 +44,31 @@ from environments.jsonl_store import read_groups  # noqa: E402
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "harness_requests"
 MAX_MODEL_LEN = 32768
-VARIANTS = {"openai-agents-chat": ("openai-agents", {"OPENAI_AGENTS_API": "chat_completions"})}
-"""Rows besides one per harness: (harness, ``agent_env``): openai-agents in its Chat
-Completions mode (the catalog's default is the Responses API)."""
+VARIANTS = {
+    "openai-agents-chat": ("openai-agents", {"OPENAI_AGENTS_API": "chat_completions"}, "chat"),
+    "hermes-responses": ("hermes", {"HERMES_API_MODE": "codex_responses"}, "responses"),
+    "hermes-messages": ("hermes", {"HERMES_API_MODE": "anthropic_messages"}, "messages"),
+    "kimi-code-responses": ("kimi-code", {"KIMI_MODEL_PROVIDER_TYPE": "openai_responses"},
+                            "responses")}
+"""Rows besides one per harness: (harness, ``agent_env``, wire API): openai-agents in its
+Chat Completions mode (the catalog's default is the Responses API), Hermes Agent in its
+Responses and Anthropic Messages modes (its default: Chat Completions), Kimi Code in its
+Responses mode (its default here: Chat Completions)."""
 ROWS = [*HARNESSES, *VARIANTS]
 
 
 def row_agent(row: str) -> tuple[str, dict[str, str]]:
-    return VARIANTS.get(row, (row, {}))
+    name, agent_env, _ = VARIANTS.get(row, (row, {}, None))
+    return name, agent_env
+
+
+def row_wire_api(row: str) -> str:
+    """The wire API a row's harness speaks."""
+    return VARIANTS[row][2] if row in VARIANTS else HARNESSES[row].wire_api
 
 
 async def run_harness(label: str, model: Path, server_url: str, work: Path, group_size: int,
-                      timeout_s: float) -> dict:
+                      timeout_s: float, settings: dict | None = None) -> dict:
     """``lachesis env process answer_file`` with the row's ``agent``; the row's facts."""
     name, agent_env = row_agent(label)
     folder = work / label
@@ -65,7 +79,8 @@ async def run_harness(label: str, model: Path, server_url: str, work: Path, grou
         "agent_env": agent_env,
         "script": True, "group_size": group_size, "max_token_length": MAX_MODEL_LEN - 512,
         "max_tokens_per_turn": 256, "agent_timeout_s": timeout_s, "concurrency": group_size,
-        "sandbox_backend": "bwrap", "spool_path": str(folder / "spool.jsonl")}))
+        "sandbox_backend": "bwrap", "spool_path": str(folder / "spool.jsonl"),
+        **(settings or {})}))
     out = folder / "groups.jsonl"
     started = time.monotonic()
     process = await asyncio.create_subprocess_exec(
@@ -74,7 +89,7 @@ async def run_harness(label: str, model: Path, server_url: str, work: Path, grou
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stdout, stderr = await process.communicate()
     row = {"harness": label, "version": HARNESSES[name].version,
-           "wire_api": "chat" if agent_env else HARNESSES[name].wire_api,
+           "wire_api": row_wire_api(label),
            "exit": process.returncode,
            "seconds": round(time.monotonic() - started, 1), "out": str(out),
            "stderr_tail": stderr.decode(errors="replace")[-1500:]}
@@ -82,6 +97,8 @@ async def run_harness(label: str, model: Path, server_url: str, work: Path, grou
     trajectories = [t for g in groups for t in g.trajectories]
     row["rollouts"] = len(trajectories)
     row["turns"] = [len(t.turn_spans) for t in trajectories]
+    row["first_prompt_tokens"] = [t.turn_spans[0][0] if t.turn_spans else None
+                                  for t in trajectories]
     row["tool_results"] = [sum(m.role == "tool" for m in t.messages) for t in trajectories]
     row["segments"] = [1 + len(t.segment_starts or []) for t in trajectories]
     row["solved"] = [t.scores[-1] == 1.0 for t in trajectories]
@@ -102,7 +119,7 @@ def trainer(model: Path, data: Path, run_dir: Path, batch_size: int, *extra: str
 
 
 async def table(names: list[str], group_size: int, parallel: int, timeout_s: float,
-                work: Path) -> dict:
+                work: Path, settings: dict | None = None) -> dict:
     from environments.inference.vllm_process import VLLMProcess
     from lachesis.tiny_model import make_tiny_model
 
@@ -121,7 +138,8 @@ async def table(names: list[str], group_size: int, parallel: int, timeout_s: flo
 
         async def one(name: str) -> dict:
             async with gate:
-                return await run_harness(name, model, server.url, work, group_size, timeout_s)
+                return await run_harness(name, model, server.url, work, group_size, timeout_s,
+                                         settings)
 
         rows = await asyncio.gather(*(one(name) for name in names))
     data = work / "all.jsonl"
@@ -160,18 +178,24 @@ def print_table(summary: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--harness", nargs="+", default=ROWS, choices=ROWS,
-                        help="rows: a catalog harness, or openai-agents-chat")
+                        help="rows: a catalog harness, or a variant: "
+                        f"{', '.join(VARIANTS)}")
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--work", type=Path, help="where the groups go (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the rows and results here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="env settings over the table's (a YAML value each), e.g. "
+                        "harness_compaction=true max_token_length=20000")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="harness-table-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = {key: yaml.safe_load(value) for key, value in
+                (item.split("=", 1) for item in args.set)}
     summary = asyncio.run(table(args.harness, args.group_size, args.parallel, args.timeout_s,
-                                work))
+                                work, settings))
     print_table(summary)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))

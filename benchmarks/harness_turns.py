@@ -56,17 +56,19 @@ HARNESSES = ("pi", "opencode", "codex", "claude-code", "mini-swe-agent",
 def episode(harness: str) -> tuple[list[tuple[str, dict]], str]:
     """The harness's first two model calls ``(path, body)`` and the scripted first reply:
     the tool call its second call sends back (Hermes format)."""
-    dialects = {d.path: d for d in DIALECTS}
+    def dialect(path: str):
+        return next((d for d in DIALECTS if d.matches(path)), None)
+
     calls = []
     for file in sorted((FIXTURES / harness).glob("*.json")):
         request = json.loads(file.read_text())
-        if request["method"] == "POST" and request["path"] in dialects:
+        if request["method"] == "POST" and dialect(request["path"]) is not None:
             calls.append((request["path"], request["body"]))
     first, second = calls[:2]
-    turn = dialects[second[0]].parse(json.dumps(second[1]).encode(),
-                                     InterceptedRollout("r", "t", None))
-    n = len(dialects[first[0]].parse(json.dumps(first[1]).encode(),
-                                     InterceptedRollout("r", "t", None)).messages)
+    turn = dialect(second[0]).parse(json.dumps(second[1]).encode(),
+                                    InterceptedRollout("r", "t", None))
+    n = len(dialect(first[0]).parse(json.dumps(first[1]).encode(),
+                                    InterceptedRollout("r", "t", None)).messages)
     [call] = turn.messages[n].rendered["tool_calls"]
     script = "<tool_call>\n" + json.dumps({"name": call["function"]["name"],
                                            "arguments": call["function"]["arguments"]}) \
@@ -89,7 +91,8 @@ async def counters(http: aiohttp.ClientSession, url: str) -> tuple[float, float]
 async def run_episode(http, proxy: InterceptionProxy, server_url: str, calls, mode: str
                       ) -> dict:
     rollout = proxy.open_rollout()
-    headers = {"Authorization": f"Bearer {rollout.token}", "x-api-key": rollout.token}
+    headers = {"Authorization": f"Bearer {rollout.token}", "x-api-key": rollout.token,
+               "x-goog-api-key": rollout.token}
     out = {}
     for i, (path, body) in enumerate(calls):
         if i == 0 or mode == "reset":

@@ -1,4 +1,4 @@
-"""A capture server for agent harnesses: it speaks the three wire APIs just enough to
+"""A capture server for agent harnesses: it speaks the four wire APIs just enough to
 drive a harness through a two-turn episode and logs every request it gets.
 
     python tests/harness_capture.py --port 8799 --out /tmp/capture/pi
@@ -16,6 +16,8 @@ shape of the interception proxy. Replies, in the dialect of the path asked:
 * ``POST .../messages``: Anthropic Messages (JSON, or the named SSE events
   ``message_start`` ... ``message_stop``); ``POST .../messages/count_tokens`` answers
   ``{"input_tokens": N}``;
+* ``POST .../v1beta/models/M:generateContent`` / ``:streamGenerateContent`` (``alt=sse``):
+  Google Gemini; ``:countTokens`` answers ``{"totalTokens": N}``;
 * ``GET .../models``: a model list; any other ``GET`` / ``HEAD``: 200 ``{}``.
 
 What it answers: when the conversation already carries a tool result, the final text
@@ -51,7 +53,7 @@ COMMAND = "echo 42 > answer.txt"
 SHELL_NAMES = ("bash", "Bash", "shell", "exec_command", "run_shell_command", "shell_command",
                "execute_bash", "terminal", "run_command")
 SECRET_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
-                  "anthropic-api-key", "openai-api-key"}
+                  "anthropic-api-key", "openai-api-key", "x-goog-api-key"}
 MODEL = "tiny"
 USAGE = {"input_tokens": 100}
 """The input token count the replies report (``--input-tokens``: to see what a harness
@@ -69,7 +71,7 @@ def redact_headers(headers: Any) -> dict[str, str]:
 
 # -- what to answer ----------------------------------------------------------------------
 def _tool_schema(tool: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """(name, JSON schema of the arguments) of a tool in any of the three dialects."""
+    """(name, JSON schema of the arguments) of a tool in any of the four dialects."""
     if "function" in tool and isinstance(tool["function"], dict):  # chat completions
         return tool["function"].get("name"), tool["function"].get("parameters") or {}
     if tool.get("type") == "function":  # responses, flat
@@ -80,7 +82,8 @@ def _tool_schema(tool: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 
 def _all_tools(tools: list[Any]) -> list[dict[str, Any]]:
-    """The tools, with those inside Responses ``namespace`` tools flattened out."""
+    """The tools, with those inside Responses ``namespace`` tools and Gemini
+    ``functionDeclarations`` flattened out."""
     found = []
     for tool in tools or []:
         if not isinstance(tool, dict):
@@ -88,6 +91,10 @@ def _all_tools(tools: list[Any]) -> list[dict[str, Any]]:
         found.append(tool)
         if tool.get("type") == "namespace":
             found += _all_tools(tool.get("tools") or [])
+        for declaration in tool.get("functionDeclarations") or []:
+            if isinstance(declaration, dict):
+                found.append({**declaration, "parameters": declaration.get(
+                    "parametersJsonSchema") or declaration.get("parameters") or {}})
     return found
 
 
@@ -131,6 +138,10 @@ def has_tool_result(body: dict[str, Any]) -> bool:
         content = message.get("content")
         if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") ==
                                              "tool_result" for b in content):
+            return True
+    for content in body.get("contents") or []:  # gemini
+        if isinstance(content, dict) and any(isinstance(p, dict) and "functionResponse" in p
+                                             for p in content.get("parts") or []):
             return True
     items = body.get("input")
     if isinstance(items, list):  # responses
@@ -204,6 +215,10 @@ class Capture:
                 return await responses(request, body)
             if path.endswith("/messages"):
                 return await messages(request, body, len(raw) // 4)
+            if path.endswith(":countTokens"):
+                return web.json_response({"totalTokens": max(1, len(raw) // 4)})
+            if path.endswith(("generateContent", "GenerateContent")):
+                return await gemini(request, body)
         if request.method in ("GET", "HEAD"):
             if path.endswith("/models"):
                 return web.json_response({"object": "list", "data": [
@@ -377,6 +392,31 @@ async def messages(request: web.Request, body: dict[str, Any],
     return response
 
 
+async def gemini(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """Gemini ``generateContent`` (JSON) / ``streamGenerateContent`` (SSE with
+    ``alt=sse``, else a JSON array of chunks)."""
+    call = decide(body)
+    if call:
+        name, args = call
+        part = {"functionCall": {"name": name, "args": args}}
+    else:
+        part = {"text": "done"}
+    n = USAGE["input_tokens"]
+    reply = {"candidates": [{"content": {"role": "model", "parts": [part]},
+                             "finishReason": "STOP", "index": 0}],
+             "usageMetadata": {"promptTokenCount": n, "candidatesTokenCount": 10,
+                               "totalTokenCount": n + 10},
+             "modelVersion": MODEL, "responseId": uuid.uuid4().hex[:16]}
+    if not request.path.endswith(":streamGenerateContent"):
+        return web.json_response(reply)
+    if request.query.get("alt") != "sse":
+        return web.json_response([reply])
+    response = await _start_sse(request)
+    await response.write(_sse(reply))
+    await response.write_eof()
+    return response
+
+
 async def start_server(out: Path, port: int | None = None,
                        unix_path: Path | None = None) -> web.AppRunner:
     capture = Capture(out)
@@ -406,7 +446,8 @@ TASK = "Write the number 42 to answer.txt."
 
 
 async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
-                         image: str | None = None) -> int:
+                         image: str | None = None, env: dict[str, str] | None = None,
+                         memory_mb: int | None = None) -> int:
     """Install the catalog harness ``name``, run it in a sandbox exactly as a black-box
     env would (its install and config mounted read-only, ``$HOME`` seeded by the
     launcher, no network: the launcher forwards loopback to this server's Unix socket)
@@ -437,7 +478,8 @@ async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
         if launch.stdin is not None:
             options += ["--stdin", f"{HOME_SEED}/stdin"]
         config = SandboxConfig(
-            backend=backend, image=image, memory_mb=harness.memory_mb, timeout_s=300,
+            backend=backend, image=image, memory_mb=memory_mb or harness.memory_mb,
+            timeout_s=300,
             cpu_time_s=600, max_output_bytes=1 << 20, ro_mounts={
                 str(build_runtime()): MOUNT, str(work / "socket"): "/run/lachesis",
                 str(root): HARNESS_MOUNT, str(work / "seed"): HOME_SEED})
@@ -445,7 +487,7 @@ async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
             result = await box.exec(
                 ["python3", LAUNCHER, "--listen", "8765", "--socket",
                  "/run/lachesis/capture.sock", *options, "--", *launch.argv],
-                env={**launch.env, "HOME": SANDBOX_HOME})
+                env={**launch.env, **(env or {}), "HOME": SANDBOX_HOME})
             try:
                 answer = (await box.read_file("answer.txt")).decode()
             except FileNotFoundError:
@@ -470,6 +512,10 @@ if __name__ == "__main__":
     parser.add_argument("--backend", default="bwrap", help="with --harness: the sandbox "
                         "backend (bwrap or docker)")
     parser.add_argument("--image", help="with --harness --backend docker: the image")
+    parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="with --harness: variables over the catalog's (as agent_env)")
+    parser.add_argument("--memory-mb", type=int, help="with --harness: the sandbox's memory "
+                        "limit (default: the catalog's memory_mb)")
     parser.add_argument("--input-tokens", type=int, default=None,
                         help="input tokens every reply reports (default: 100; Anthropic: "
                              "the body's size / 4)")
@@ -477,6 +523,7 @@ if __name__ == "__main__":
     if args.input_tokens is not None:
         USAGE.update(input_tokens=args.input_tokens, forced=args.input_tokens)
     if args.harness:
-        raise SystemExit(asyncio.run(run_in_sandbox(args.harness, args.out, args.backend,
-                                                    args.image)))
+        raise SystemExit(asyncio.run(run_in_sandbox(
+            args.harness, args.out, args.backend, args.image,
+            dict(item.split("=", 1) for item in args.env), args.memory_mb)))
     asyncio.run(serve(args.port, args.out))

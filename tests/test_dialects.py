@@ -1,7 +1,8 @@
-"""The proxy's Responses and Anthropic Messages dialects on the real vLLM server, driven by
-the real `openai` and `anthropic` clients: one recorder under all three wire APIs (the
-same exact tokens, one segment when a harness sends back what it was given), their
-streamed events as the clients parse them, and their errors."""
+"""The proxy's Responses, Anthropic Messages and Gemini dialects on the real vLLM server,
+driven by the real `openai` and `anthropic` clients (Gemini: requests shaped as Gemini
+CLI 0.61 sends them): one recorder under all four wire APIs (the same exact tokens, one
+segment when a harness sends back what it was given), their streamed events as the
+clients parse them, and their errors."""
 
 from __future__ import annotations
 
@@ -207,12 +208,12 @@ def test_scripted_turns_are_forced_and_keep_the_policys_own_logprobs(vllm_server
 
 def captured(harness: str) -> list[tuple[str, object, dict]]:
     """A harness's captured model calls, in order: (file name, dialect, body)."""
-    dialects = {d.path: d for d in DIALECTS}
     calls = []
     for path in sorted((FIXTURES / harness).glob("*.json")):
         request = json.loads(path.read_text())
-        if request["method"] == "POST" and request["path"] in dialects:
-            calls.append((path.name, dialects[request["path"]], request["body"]))
+        dialect = next((d for d in DIALECTS if d.matches(request["path"])), None)
+        if request["method"] == "POST" and dialect is not None:
+            calls.append((path.name, dialect, request["body"]))
     return calls
 
 
@@ -222,7 +223,10 @@ EPISODES = {"pi": ("bash", "chat"), "opencode": ("bash", "chat"),
             "claude-code": ("Bash", "messages"), "mini-swe-agent": ("bash", "chat"),
             "openai-agents-responses": ("bash", "responses"),
             "openai-agents-responses-stream": ("bash", "responses"),
-            "openai-agents-chat": ("bash", "chat"), "openai-agents-chat-stream": ("bash", "chat")}
+            "openai-agents-chat": ("bash", "chat"), "openai-agents-chat-stream": ("bash", "chat"),
+            "gemini-cli": ("run_shell_command", "gemini"), "hermes": ("terminal", "chat"),
+            "hermes-responses": ("terminal", "responses"),
+            "hermes-messages": ("terminal", "messages")}
 
 
 @pytest.mark.parametrize("harness", sorted(EPISODES))
@@ -287,7 +291,8 @@ def test_mutated_harness_requests_are_parsed_or_refused_naming_a_field_never_cra
     rng = random.Random(0)
     others = [None, 7, -1.5, True, "x", [], [1, "a"], {}, {"type": "image"}]
     tried = refused = 0
-    for harness in ("pi", "codex-default", "claude-code", "openai-agents-responses"):
+    for harness in ("pi", "codex-default", "claude-code", "openai-agents-responses",
+                    "gemini-cli"):
         for _, dialect, body in captured(harness):
             for path in paths(body):
                 for new in rng.sample(others, 2):
@@ -300,3 +305,156 @@ def test_mutated_harness_requests_are_parsed_or_refused_naming_a_field_never_cra
                         assert error.status in (400, 413) and str(error), (path, new)
                         assert error.param, (harness, path, new, str(error))
     assert tried > 1000 and refused > 100, (tried, refused)
+
+
+# -- Gemini ---------------------------------------------------------------------------------
+GEMINI_TOOLS = [{"functionDeclarations": [{
+    "name": "calculator", "description": TOOLS[0]["function"]["description"],
+    "parametersJsonSchema": TOOLS[0]["function"]["parameters"]}]}, {"googleSearch": {}}]
+
+
+def gemini_body(contents, **fields):
+    """A request as Gemini CLI 0.61 sends it (tests/fixtures/harness_requests/gemini-cli):
+    the system instruction as a user-role Content, declarations with
+    parametersJsonSchema, its generationConfig."""
+    return {"contents": contents,
+            "systemInstruction": {"role": "user", "parts": [{"text": START[0]["content"]}]},
+            "tools": GEMINI_TOOLS, "generationConfig": {
+                "temperature": 1, "topP": 0.95, "topK": 64,
+                "thinkingConfig": {"includeThoughts": True}}, **fields}
+
+
+def test_gemini_turns_are_recorded_exactly_over_sse_json_and_arrays_with_googles_errors(
+        vllm_server):
+    question = {"role": "user", "parts": [{"text": START[1]["content"]}]}
+
+    async def main():
+        async with running_proxy(vllm_server, max_tokens_per_turn=128) as (proxy, renderer,
+                                                                         sampled):
+            proxy.backend.sampling = CALL_THEN_FREE
+            rollout = proxy.open_rollout()
+            models = f"{proxy.url}/rollout/{rollout.id}/v1beta/models"
+            key = {"x-goog-api-key": rollout.token}
+            async with aiohttp.ClientSession() as http:
+                async def post(action, body, headers=key, **query):
+                    async with http.post(f"{models}/gemini-2.5-pro:{action}", json=body,
+                                         headers=headers, params=query) as r:
+                        return r.status, r.headers.get("Content-Type"), await r.text()
+
+                counted = await post("countTokens", {"generateContentRequest": gemini_body(
+                    [question])})
+                status, kind, text = await post("streamGenerateContent",
+                                                gemini_body([question]), alt="sse")
+                chunks = [json.loads(line[6:]) for line in text.splitlines()
+                          if line.startswith("data: ")]
+                parts = [p for c in chunks for p in c["candidates"][0]["content"]["parts"]]
+                [call] = [p["functionCall"] for p in parts if "functionCall" in p]
+                proxy.backend.sampling = {"temperature": 1.0}
+                # as Gemini CLI sends it back: a thought it never got, the call with its
+                # thoughtSignature, the result as {output}; the key in the query this time
+                history = [question, {"role": "model", "parts": [
+                    {"text": "let me see", "thought": True},
+                    *[{**p, "thoughtSignature": "skip_thought_signature_validator"}
+                      for p in parts]]},
+                    {"role": "user", "parts": [{"functionResponse": {
+                        "id": call["id"], "name": call["name"],
+                        "response": {"output": "84"}}}]}]
+                second = await post("generateContent", gemini_body(history), headers={},
+                                    key=rollout.token)
+                reply = json.loads(second[2])["candidates"][0]["content"]
+                history += [reply, {"role": "user", "parts": [{"text": "Once more."}]}]
+                third = await post("streamGenerateContent", gemini_body(history))
+                refusals = [await post("generateContent", gemini_body([
+                    {"role": "user", "parts": [{"inlineData": {"mimeType": "image/png",
+                                                               "data": ""}}]}])),
+                    await post("generateContent", gemini_body([question]),
+                               headers={"x-goog-api-key": "wrong"}),
+                    await post("embedContent", {"content": question})]
+            state = await proxy.finish_rollout(rollout)
+            return (renderer, sampled, counted, status, kind, chunks, call, second, third,
+                    refusals, rollout, state)
+
+    (renderer, sampled, counted, status, kind, chunks, call, second, third, refusals,
+     rollout, state) = asyncio.run(main())
+    check_exact(state, sampled, 3)
+    tools = [{"type": "function", "function": TOOLS[0]["function"]}]
+    assert sampled[0][0] == renderer.prompt_ids(START, tools)
+    assert json.loads(counted[2]) == {"totalTokens": len(sampled[0][0])}  # nothing recorded
+    assert status == 200 and kind.startswith("text/event-stream")
+    assert chunks[-1]["candidates"][0]["finishReason"] == "STOP"
+    assert chunks[-1]["usageMetadata"]["promptTokenCount"] == len(sampled[0][0])
+    assert call["name"] == "calculator" and call["args"] == state.turns[0].tool_calls[0].arguments
+    assert state.turns[0].tool_results == ["84"]
+    assert second[0] == 200 and second[1].startswith("application/json")
+    assert third[0] == 200 and isinstance(json.loads(third[2]), list)  # no alt: an array
+    inline, wrong_key, embed = refusals
+    assert inline[0] == 400
+    error = json.loads(inline[2])["error"]
+    assert error["code"] == 400 and error["status"] == "INVALID_ARGUMENT"
+    assert error["details"][1]["fieldViolations"][0]["field"] == \
+        "contents[0].parts[0].inlineData"
+    assert wrong_key[0] == 401 and json.loads(wrong_key[2])["error"]["status"] == \
+        "UNAUTHENTICATED"
+    assert embed[0] == 404 and rollout.unserved == ["POST /v1beta/models/gemini-2.5-pro:"
+                                                    "embedContent"]
+    assert rollout.statuses == [200, 200, 200, 400]
+    assert state.extra["dropped_tools"] == ["googleSearch"]
+    assert state.extra["wire_apis"] == ["gemini"]
+
+
+def test_gemini_fields_are_read_by_their_documented_rules():
+    """What the Gemini dialect takes, converts, leaves out and refuses (no server)."""
+    from environments.blackbox.dialects.gemini import GeminiDialect
+    from environments.blackbox.recorder import RequestError
+
+    dialect = GeminiDialect()
+
+    def parse(body, **options):
+        rollout = InterceptedRollout("r", "t", None)
+        return dialect.parse(json.dumps(body).encode(), rollout, **options), rollout
+
+    # snake_case names, a function role, OpenAPI-style `parameters`, a string system
+    turn, rollout = parse({
+        "system_instruction": "Be brief.",
+        "contents": [{"role": "user", "parts": [{"text": "a"}, {"text": "b"}]},
+                     {"role": "model", "parts": [{"function_call": {
+                         "name": "f", "args": {"x": 1}}}]},
+                     {"role": "function", "parts": [{"function_response": {
+                         "name": "f", "response": {"rows": [1]}}}]}],
+        "tools": [{"function_declarations": [{"name": "f", "parameters": {
+            "type": "OBJECT", "properties": {"x": {"type": "INTEGER"}}}}]},
+                  {"codeExecution": {}}],
+        "generation_config": {"max_output_tokens": 9, "stopSequences": ["x"]},
+        "safetySettings": [], "toolConfig": {"functionCallingConfig": {"mode": "AUTO"}}},
+        action="streamGenerateContent")
+    assert [m.rendered for m in turn.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": '{"rows": [1]}', "name": "f"}]
+    assert turn.tools == [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    assert turn.max_tokens == 9 and turn.json_stream and not turn.stream
+    assert rollout.state.extra["dropped_tools"] == ["codeExecution"]
+    question = [{"parts": [{"text": "q"}]}]
+    for body, options, where in [
+            ({"contents": []}, {}, "contents"),
+            ({"contents": question, "cachedContent": "c/1"}, {}, "cachedContent"),
+            ({"contents": question, "generationConfig": {"candidateCount": 2}}, {},
+             "generationConfig.candidateCount"),
+            ({"contents": question, "generationConfig": {"temperature": "hot"}}, {},
+             "generationConfig.temperature"),
+            ({"contents": question}, {"alt": "proto"}, "alt"),
+            ({"contents": [{"role": "system", "parts": []}]}, {}, "contents[0].role"),
+            ({"contents": [{"parts": [{"text": "a", "functionCall": {"name": "f"}}]}]}, {},
+             "contents[0].parts[0]"),
+            ({"contents": [{"parts": [{"functionCall": {"name": "f"}}]}]}, {},
+             "contents[0].parts[0].functionCall"),
+            ({"contents": [{"role": "model", "parts": [{"functionCall": {
+                "name": "f", "args": "x=1"}}]}]}, {}, "contents[0].parts[0].functionCall.args"),
+            ({"contents": question, "tools": [{"functionDeclarations": [{
+                "name": "f", "parameters": {}, "parametersJsonSchema": {}}]}]}, {},
+             "tools[0].functionDeclarations[0].parameters")]:
+        with pytest.raises(RequestError) as error:
+            parse(body, **options)
+        assert error.value.param == where and error.value.status == 400, (body, error.value)

@@ -14,23 +14,24 @@ import sys
 import pytest
 from conftest import REPO
 
-from environments.blackbox.harnesses import HARNESSES
+sys.path.insert(0, str(REPO / "benchmarks"))
+from harness_table import ROWS, row_wire_api  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.needs("bubblewrap", "npm", "nodejs", "python3-venv"),
               pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap is Linux-only")]
 
 
 # One harness per wire API in `make test` (Pi: Chat Completions, Codex: Responses, Claude
-# Code: Messages): 86 s alone here, 93 s CPU, against 237 s for the seven rows beside the
-# rest of the suite, and three installs where a clean machine made six; `make test-all`
-# runs the other four rows too.
-QUICK = ["pi", "codex", "claude-code"]
+# Code: Messages, Gemini CLI: Gemini): three of them took 86 s alone here, 93 s CPU,
+# against 237 s for the seven rows of then beside the rest of the suite; `make test-all`
+# runs the other rows too.
+QUICK = ["pi", "codex", "claude-code", "gemini-cli"]
 
 
 @pytest.mark.parametrize("rows", [
     pytest.param(QUICK, id="one-per-wire-api"),
-    pytest.param([r for r in (*HARNESSES, "openai-agents-chat") if r not in QUICK],
-                 id="the-others", marks=pytest.mark.slow)])
+    pytest.param([r for r in ROWS if r not in QUICK], id="the-others",
+                 marks=pytest.mark.slow)])
 def test_every_catalog_harness_runs_as_shipped_through_the_proxy_and_trains(tmp_path, rows):
     done = subprocess.run(
         [sys.executable, "benchmarks/harness_table.py", "--harness", *rows, "--group-size",
@@ -42,7 +43,7 @@ def test_every_catalog_harness_runs_as_shipped_through_the_proxy_and_trains(tmp_
     rows_by_name = {row["harness"]: row for row in summary["rows"]}
     assert set(rows_by_name) == set(rows), done.stdout
     for name, row in rows_by_name.items():
-        wire_api = "chat" if name == "openai-agents-chat" else HARNESSES[name].wire_api
+        wire_api = row_wire_api(name)
         assert row["exit"] == 0 and row["rollouts"] == 1, (name, row["stderr_tail"])
         assert row["reached_end"] == [True], (name, row)  # the harness exited 0 itself
         assert row["wire_apis"] == [wire_api], (name, row)

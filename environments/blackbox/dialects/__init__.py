@@ -3,7 +3,9 @@
 
 * :mod:`.chat`: OpenAI Chat Completions, ``POST .../v1/chat/completions``;
 * :mod:`.responses`: the OpenAI Responses API, ``POST .../v1/responses``;
-* :mod:`.messages`: Anthropic Messages, ``POST .../v1/messages`` (and ``count_tokens``).
+* :mod:`.messages`: Anthropic Messages, ``POST .../v1/messages`` (and ``count_tokens``);
+* :mod:`.gemini`: Google Gemini, ``POST .../v1beta/models/{model}:generateContent`` /
+  ``:streamGenerateContent`` (and ``:countTokens``).
 
 A dialect parses its request into :class:`TurnRequest` (messages and function tools as
 the chat template takes them), and turns the recorder's :class:`TurnReply` into its
@@ -37,8 +39,11 @@ class TurnRequest:
     tools: list[dict[str, Any]] | None
     max_tokens: int | None
     stream: bool
+    """Whether the reply goes as server-sent events."""
     body: Any
     """The dialect's parsed request (what its reply echoes)."""
+    json_stream: bool = False
+    """A stream asked for as one JSON array of chunks (Gemini without ``alt=sse``)."""
 
 
 class Dialect:
@@ -48,8 +53,33 @@ class Dialect:
     path: str
     call_prefix = "call"
 
-    def parse(self, raw: bytes, rollout: InterceptedRollout) -> TurnRequest:
+    def routes(self) -> list[str]:
+        """The POST routes under ``/rollout/{rollout}`` it is served at."""
+        return [self.path]
+
+    def matches(self, path: str) -> bool:
+        """Whether a model call to ``path`` (under ``/rollout/{id}``) is this dialect's."""
+        return path == self.path
+
+    def kind(self, request: Any) -> str | None:
+        """What a request to one of its routes asks: ``turn`` (a model call), ``count``
+        (count tokens) or None (nothing served: 404)."""
+        return "turn"
+
+    def request_options(self, request: Any) -> dict[str, Any]:
+        """What :meth:`parse` takes from the request besides its body (its path, query)."""
+        return {}
+
+    def parse(self, raw: bytes, rollout: InterceptedRollout, **options: Any) -> TurnRequest:
         raise NotImplementedError
+
+    def count(self, raw: bytes, rollout: InterceptedRollout
+              ) -> tuple[list[Message], list[dict[str, Any]] | None]:
+        """A count-tokens request's messages and tools (dialects with ``count``)."""
+        raise NotImplementedError
+
+    def count_body(self, n: int) -> dict[str, Any]:
+        return {"input_tokens": n}
 
     def reply(self, request: TurnRequest, turn: TurnReply, model: str,
               rollout: InterceptedRollout) -> dict[str, Any]:
@@ -59,7 +89,8 @@ class Dialect:
         """The reply as server-sent events (``stream: true``)."""
         raise NotImplementedError
 
-    def error_body(self, message: str, code: str, kind: str, param: str | None) -> dict:
+    def error_body(self, message: str, code: str, kind: str, param: str | None,
+                   status: int = 400) -> dict:
         """An error in the OpenAI form (``{"error": {message, type, param, code}}``)."""
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

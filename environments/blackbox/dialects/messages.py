@@ -172,6 +172,12 @@ class MessagesDialect(Dialect):
     path = "/v1/messages"
     call_prefix = "toolu"
 
+    def kind(self, request: Any) -> str | None:
+        return "count" if request.path.endswith("/count_tokens") else "turn"
+
+    def routes(self) -> list[str]:
+        return [self.path, f"{self.path}/count_tokens"]
+
     def parse(self, raw: bytes, rollout: InterceptedRollout) -> TurnRequest:
         body = validate_json(MessagesRequest, raw)
         messages, tools = _parse(body, rollout)
@@ -181,7 +187,8 @@ class MessagesDialect(Dialect):
               ) -> tuple[list[Message], list[dict[str, Any]] | None]:
         return _parse(validate_json(CountTokensRequest, raw), rollout)
 
-    def error_body(self, message: str, code: str, kind: str, param: str | None) -> dict:
+    def error_body(self, message: str, code: str, kind: str, param: str | None,
+                   status: int = 400) -> dict:
         kind = {"invalid_request_error": "invalid_request_error",
                 "authentication_error": "authentication_error",
                 "not_found_error": "not_found_error"}.get(kind, "api_error")
