@@ -225,14 +225,15 @@ def mentions(text: str, name: str, longer: Iterable[str] = ()) -> bool:
 
 
 def description_country(description: str, names: set[str]) -> str | None:
-    """The country a short description ends with ("City in Bursa province in western
-    Turkey" -> "Turkey"; "Largest city in the United Arab Emirates" -> that), if it is
-    one of ``names``."""
+    """The country a short description ends with, after its last "in" or "of" or comma
+    and a compass adjective ("City in Bursa province in western Turkey" -> "Turkey";
+    "Largest city in the United Arab Emirates" -> that), if it is one of ``names``."""
     tail = description.strip().rstrip(".").split(",")[-1].strip()
-    match = re.search(r"\b(?:in|of)\s+(.+)$", tail)
+    match = re.search(r".*\b(?:in|of)\s+(.+)$", tail)
     candidates = [tail] + ([match.group(1)] if match else [])
     for candidate in candidates:
-        candidate = re.sub(r"^the\s+", "", candidate.strip(), flags=re.I)
+        candidate = re.sub(r"^(?:the\s+)?(?:(?:north|south)?(?:east|west)?ern\s+|central\s+)?",
+                           "", candidate.strip(), flags=re.I)
         if candidate in names:
             return candidate
     return None

@@ -91,6 +91,9 @@ class WikiSearchConfig(EnvConfig):
     fetched once into ``$LACHESIS_CACHE``)."""
     countries_file: Path | None = None
     """A JSON list of countryinfo records (None: ``countryinfo==1.0.1``'s data files)."""
+    max_items_per_country: int | None = Field(default=None, ge=1)
+    """Keep at most this many items of each country on each side (the first, by place
+    name): two-hop places are uneven (Brazil has 15 of the 34 held-out ones). None: all."""
     outcome_only: bool = False
     """Score only the outcome: one float per episode (the last turn's score), no turn
     rewards; the metrics are still reported."""
@@ -201,6 +204,9 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
         other = "two_hop" if config.horizon == "one_hop" else "one_hop"
         train, held_out, dropped = split_items(items[config.horizon], config.eval_fraction,
                                                others=items[other])
+        if config.max_items_per_country is not None:
+            train, held_out = (_per_country(side, config.max_items_per_country)
+                               for side in (train, held_out))
         if not train or not held_out:
             raise ValueError(
                 f"wiki_search: the {config.horizon} split has {len(train)} training and "
@@ -289,6 +295,16 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
             metrics["bridge_in_result"] = float(any(mentions(r, item["country"])
                                                     for r in results))
         return metrics
+
+
+def _per_country(items: list[dict[str, Any]], cap: int) -> list[dict[str, Any]]:
+    counts: dict[str, int] = {}
+    kept = []
+    for item in items:
+        counts[item["country"]] = counts.get(item["country"], 0) + 1
+        if counts[item["country"]] <= cap:
+            kept.append(item)
+    return kept
 
 
 def _json_string(text: str) -> str:
