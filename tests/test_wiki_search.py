@@ -53,7 +53,7 @@ ARTICLES = {
               "the Atlantic.", "Capital of Pará, Brazil", GEO),
     "Peru": ("Peru is a country in western South America. Its capital and largest city is "
              "Lima.", "Country in South America", GEO),
-    "Cusco": ("Cusco is a city in southeastern Peru near the Urubamba Valley of the Andes, "
+    "Cusco (city)": ("Cusco is a city in southeastern Peru near the Urubamba Valley of the Andes, "
               "once the Inca capital.", "City in Peru", GEO),
     "Durrës, Albania": ("Durrës is the second-most-populous city of Albania, on the "
                         "Adriatic coast.", "City in Albania", GEO),
@@ -104,7 +104,11 @@ def test_only_questions_the_corpus_answers_through_their_searches_are_kept(data_
     two = {i["place"]: i for i in items["two_hop"]}
     # Istanbul's article already holds Ankara (one search would do), Mombasa's country has
     # no answerable capital, "Durrës, Albania" names its country in its title
-    assert sorted(two) == ["Adana", "Antalya", "Belém", "Cusco"]
+    assert sorted(two) == ["Adana", "Antalya", "Belém", "Cusco (city)"]
+    # the question leaves out the title's disambiguation, the search keeps it
+    assert two["Cusco (city)"]["question"] == \
+        "What is the capital of the country where Cusco is located?"
+    assert two["Cusco (city)"]["queries"] == ["Cusco (city)", "capital of Peru"]
     assert two["Adana"]["question"] == \
         "What is the capital of the country where Adana is located?"
     assert two["Adana"]["queries"] == ["Adana", "capital of Turkey"]

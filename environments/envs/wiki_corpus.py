@@ -22,7 +22,8 @@ questions about countries whose answers the corpus holds.
     Wikipedia short description ends with a country's name, e.g. Adana, "City in
     Turkey"). Kept when the top article for ``P`` is P's own, names the country and does
     *not* contain the capital (one search cannot answer it), and the one-hop question of
-    that country is kept. Search P, read the country, search as for X's capital, answer:
+    that country is kept (the question drops a title's disambiguation: "Kano (city)" is
+    asked as "Kano"). Search P, read the country, search as for X's capital, answer:
     3 turns. P's title must not contain the country's name ("Constantine, Algeria").
 
   Answers: the capital as countryinfo spells it, and its accent-free spelling when that
@@ -322,7 +323,8 @@ def build_items(articles: list[Article], countries: list[Country], index: Search
             continue
         two_hop.append({
             "id": f"wiki2-{slug(title)}", "horizon": "two_hop",
-            "question": f"What is the capital of the country where {title} is located?",
+            "question": "What is the capital of the country where "
+                        f"{re.sub(r' [(][^)]*[)]$', '', title)} is located?",
             "answers": answers, "country": name, "place": title,
             "queries": [title, reachable[name]],
             "entities": sorted({title, name, by_name[name].capital})})
