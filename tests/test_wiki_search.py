@@ -295,7 +295,7 @@ def test_demonstrations_play_through_the_agent_loop_for_full_reward(data_files, 
                                                                     expected):
     """The oracle's turns, played by a scripted model through the real agent loop, the
     hermes parser and the search tool, score the maximum at every turn."""
-    from tests.sandbox_fixtures import scripted
+    from sandbox_fixtures import scripted
 
     env = env_for(data_files, horizon=horizon, group_size=2)
     item = env.train_items[0]
