@@ -11,7 +11,8 @@ result, exact match, and, outside the rewards, the final reply holding an answer
 anywhere, tags or not), mean turns, mean sampled tokens, and the wall seconds of the whole
 batch and per episode. ``--example`` appends a one-hop and a two-hop demonstration of
 training items (:data:`EXAMPLES`, their real results shortened to the sentences that
-matter) to the system prompt. Each batch's episodes go to ``--out``/``HORIZON-tT.jsonl``
+matter) to the system prompt; ``--few-shot N`` sets the env's ``few_shot`` (N
+demonstrations as earlier turns of the conversation). Each batch's episodes go to ``--out``/``HORIZON-tT.jsonl``
 (``lachesis inspect`` reads them).
 """
 
@@ -89,12 +90,12 @@ def episodes(path: Path) -> list[dict[str, Any]]:
 
 
 async def probe(url: str, model_dir: str, horizon: str, temperature: float, items: int,
-                max_tokens_per_turn: int, out: Path, system_prompt: str | None
-                ) -> dict[str, Any]:
+                max_tokens_per_turn: int, out: Path, system_prompt: str | None,
+                few_shot: int = 0) -> dict[str, Any]:
     config = WikiSearchConfig(horizon=horizon, eval_items=items,
                               eval_temperature=temperature, inference_servers=[url],
                               tokenizer=model_dir, max_tokens_per_turn=max_tokens_per_turn,
-                              eval_out=out, api_token=None,
+                              eval_out=out, api_token=None, few_shot=few_shot,
                               **({"system_prompt": system_prompt} if system_prompt else {}))
     env = WikiSearchEnv(config)
     await env.start()
@@ -132,6 +133,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/wiki-search-probe"))
     parser.add_argument("--example", action="store_true",
                         help="a one-hop and a two-hop demonstration in the system prompt")
+    parser.add_argument("--few-shot", type=int, default=0,
+                        help="the env's few_shot: demonstrations as earlier turns")
     args = parser.parse_args()
     system_prompt = example_prompt() if args.example else None
     if system_prompt:
@@ -150,7 +153,8 @@ def main() -> None:
                 out.unlink(missing_ok=True)
                 print(json.dumps(asyncio.run(probe(
                     server.url, model_dir, horizon, temperature, args.items,
-                    args.max_tokens_per_turn, out, system_prompt))), flush=True)
+                    args.max_tokens_per_turn, out, system_prompt, args.few_shot))),
+                    flush=True)
     finally:
         server.stop()
 

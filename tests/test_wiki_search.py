@@ -309,6 +309,36 @@ def test_demonstrations_play_through_the_agent_loop_for_full_reward(data_files, 
     assert scores == pytest.approx(expected)
 
 
+def test_few_shot_demonstrations_precede_the_question_and_are_not_scored(data_files):
+    """``few_shot``: training items' demonstrations as earlier turns (never the item's
+    own); the episode's scores and GiGPO's anchors are those of its own turns."""
+    from sandbox_fixtures import scripted
+
+    plain = env_for(data_files)
+    env = env_for(data_files, few_shot=1)
+    train = env.train_items
+    assert len(train) == 2  # Albania and Turkey
+    for item in train:
+        messages = env.prompt_messages(item)
+        shown = [m for m in messages[1:-1] if m["role"] == "user"]
+        other = next(i for i in train if i["id"] != item["id"])
+        assert [m["content"] for m in shown] == [other["question"]]  # never its own
+        assert messages[-1] == {"role": "user", "content": item["question"]}
+        assert messages[2]["content"].startswith('<tool_call>{"name": "wiki_search"')
+        assert messages[-2]["content"] == f"<answer>{other['answers'][0]}</answer>"
+    item = train[0]
+    script = [m["content"] for m in plain.oracle_messages(item) if m["role"] == "assistant"]
+    rollouts = []
+    for each in (plain, env):
+        scripted(each, script)
+        rollout, scores = asyncio.run(each._rollout(item))
+        assert scores == pytest.approx([0.7, 1.7])
+        rollouts.append(rollout)
+    assert len(rollouts[1].messages) > len(rollouts[0].messages)
+    anchors = [e.turn_anchors(item, r) for e, r in zip((plain, env), rollouts)]
+    assert anchors[0] is not None and anchors[0] == anchors[1]
+
+
 def test_registered_by_name():
     assert load_env_class("wiki_search") is WikiSearchEnv
 

@@ -52,6 +52,7 @@ from environments.envs.wiki_corpus import (
     mentions,
     split_items,
 )
+from environments.framework.agent_loop import observation_anchors
 from environments.framework.base import BaseEnv, EnvConfig, TurnLevelRewardMixin
 from environments.framework.item_order import EpochOrder
 from environments.framework.tools import Tool, ToolError, tool
@@ -95,6 +96,11 @@ class WikiSearchConfig(EnvConfig):
     max_items_per_country: int | None = Field(default=None, ge=1)
     """Keep at most this many items of each country on each side (the first, by place
     name): two-hop places are uneven (Brazil has 15 of the 34 held-out ones). None: all."""
+    few_shot: int = Field(default=0, ge=0, le=8)
+    """Demonstrations put before the question as earlier turns of the conversation (the
+    item's searches, their real results, the answer; MT-GRPO's ToolEnv has the same
+    option): those of the first training items of this horizon in a fixed hashed order,
+    never the item itself. 0: none, the paper's start."""
     outcome_only: bool = False
     """Score only the outcome: one float per episode (the last turn's score), no turn
     rewards; the metrics are still reported."""
@@ -176,6 +182,7 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
         self.train_items: list[dict[str, Any]] = []
         self.eval_pool: list[dict[str, Any]] = []
         self.data_report: dict[str, Any] = {}
+        self._examples: list[dict[str, Any]] = []
         self._order = EpochOrder(self.rng)
         env = self
 
@@ -217,6 +224,7 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
         # ``eval_items`` of them are not the alphabet's first places
         held_out.sort(key=lambda item: zlib.crc32(item["id"].encode()))
         self.train_items, self.eval_pool = train, held_out
+        self._examples = sorted(train, key=lambda item: zlib.crc32(item["id"].encode()))
         self.data_report = {
             "articles": len(articles), "countries": len(countries),
             "one_hop": report.one_hop, "two_hop": report.two_hop, "dropped": report.dropped,
@@ -247,12 +255,30 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
 
     def prompt_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"role": "system", "content": self.config.system_prompt},
+                *self.few_shot_messages(item),
                 {"role": "user", "content": item["question"]}]
+
+    def few_shot_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """The ``few_shot`` demonstrations before ``item``'s question (none by default)."""
+        if not self.config.few_shot:
+            return []
+        examples = [e for e in self._examples[:self.config.few_shot + 1]
+                    if e["id"] != item["id"]][:self.config.few_shot]
+        return [m for example in examples for m in self._demonstration(example)]
+
+    def turn_anchors(self, item: dict[str, Any], rollout: Rollout) -> list[str] | None:
+        """As the default, over the conversation without the few-shot demonstrations."""
+        shown = len(self.few_shot_messages(item))
+        messages = rollout.messages[:1] + rollout.messages[1 + shown:]
+        return observation_anchors(messages, len(rollout.turns))
 
     def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         """A demonstration (for SFT warm starts) in the format the loop produces: the
         item's searches (``queries``), their results, then the answer."""
-        messages = self.prompt_messages(item)
+        return [*self.prompt_messages(item)[:-1], *self._demonstration(item)]
+
+    def _demonstration(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        messages = [{"role": "user", "content": item["question"]}]
         for query in item["queries"]:
             call = ('<tool_call>{"name": "wiki_search", "arguments": {"query": '
                     + _json_string(query) + '}}</tool_call>')
