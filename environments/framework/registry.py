@@ -34,6 +34,7 @@ ENVIRONMENTS = {
     "gsm8k_code": "environments.envs.gsm8k_code:GSM8KCodeEnv",
     "swe_fix": "environments.envs.swe_fix:SweFixEnv",
     "textworld_cooking": "environments.envs.textworld_cooking:TextWorldCookingEnv",
+    "wiki_search": "environments.envs.wiki_search:WikiSearchEnv",
 }
 """Envs shipped with Lachesis, by name."""
 
