@@ -594,10 +594,10 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
                 else:
                     log.warning("alignment check skipped: no sequence of the first batch has "
                                 "inference_logprobs")
-                if compared and diff >= config.alignment_tolerance:
+                if compared and diff >= config.alignment_bound():
                     raise AlignmentError(
                         f"trainer and vLLM logprobs differ by {diff:.3g} on average "
-                        f"(tolerance {config.alignment_tolerance}): tokens, masks or the "
+                        f"(tolerance {config.alignment_bound()}): tokens, masks or the "
                         "model do not line up. If the env samples with constrained decoding "
                         "(structured outputs: a regex, JSON schema, grammar or choice), that "
                         "is the likely cause: vLLM's logprobs are then of the constrained "

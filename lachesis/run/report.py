@@ -1,5 +1,5 @@
-"""The end of a run: a before/after table of the evaluations, where the time went, and the
-reward curve."""
+"""The end of a run: a before/after table of the evaluations, sample transcripts of the
+same held-out items before and after, where the time went, and the reward curve."""
 
 from __future__ import annotations
 
@@ -32,6 +32,51 @@ def before_after_table(before: dict[str, Any], after: dict[str, Any]) -> str:
             lines.append(f"| {label} | {_num(x, b.get(key + '_ci95'))} | "
                          f"{_num(y, a.get(key + '_ci95'))} | {change} |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def _episode(group: dict[str, Any]) -> tuple[str, str, Any]:
+    """The first episode of an evaluation group: (the user's question, the turns after
+    it as text, its scores)."""
+    trajectory = group["trajectories"][0]
+    messages = trajectory.get("messages") or []
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    question = messages[users[0]]["content"] if users else ""
+    turns = []
+    for message in messages[users[0] + 1 if users else 0:]:
+        content = str(message.get("content") or "").strip()
+        calls = [f'<tool_call>{json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})}</tool_call>'
+                 for c in message.get("tool_calls") or [] if "function" in c]
+        if calls and "<tool_call>" not in content:
+            content = " ".join([content, *calls]).strip()
+        turns.append(f"{message.get('role')}: {content}")
+    return question, "\n".join(turns), trajectory.get("scores")
+
+
+def transcripts(before: Path, after: Path, n: int = 3) -> str:
+    """Markdown: the first episode of the first ``n`` held-out items evaluated both before
+    and after RL (the same items, sampled at the evaluation's temperature)."""
+    def groups(path: Path) -> dict[str, dict[str, Any]]:
+        found = {}
+        with open(path) as f:
+            for line in f:
+                group = json.loads(line)
+                found.setdefault(group.get("item_id"), group)
+        return found
+
+    b, a = groups(before), groups(after)
+    shown = [item for item in b if item in a][:n]
+    if not shown:
+        return ""
+    lines = [f"Sample transcripts: the first episode of {len(shown)} held-out items, before "
+             "and after RL (turn scores in brackets).", ""]
+    for item in shown:
+        question, _, _ = _episode(b[item])
+        lines += [f"**{question}**", "", "```text"]
+        for label, group in (("before", b[item]), ("after", a[item])):
+            _, text, scores = _episode(group)
+            lines += [f"--- {label} RL {scores}", text]
+        lines += ["```", ""]
     return "\n".join(lines)
 
 
@@ -159,6 +204,20 @@ def write_summary(run_dir: Path, summary: dict[str, Any], metrics_path: Path) ->
     if "before" in summary and "after" in summary:
         written["table"] = before_after_table(summary["before"], summary["after"])
         parts.append(written["table"])
+    if any((run_dir / "eval").glob("*.jsonl")):  # every evaluation's episodes, to browse
+        from environments.inspection import write_report
+
+        page = write_report(run_dir / "eval", run_dir / "eval" / "report.html",
+                            title=f"{run_dir.name}: held-out evaluations before and after RL")
+        written["eval_report"] = str(page.path)
+        parts.append(f"Every evaluation episode: [eval/report.html](eval/report.html).\n")
+    for before in sorted((run_dir / "eval").glob("before-*.jsonl")):
+        after = before.with_name("after-" + before.name[len("before-"):])
+        if after.exists():
+            text = transcripts(before, after)
+            if text:
+                written.setdefault("transcripts", []).append(text)
+                parts.append(text)
     if summary.get("phases"):
         written["time_table"] = time_table(summary["phases"], read_metrics(metrics_path),
                                            summary.get("training"))

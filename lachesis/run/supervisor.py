@@ -761,6 +761,8 @@ def run(config: RunConfig, *, fresh: bool = False, resume: bool = False,
     try:
         summary = supervisor.run()
         print(summary.get("table", ""), flush=True)
+        for text in summary.get("transcripts", []):
+            print(text, flush=True)
         print(summary.get("time_table", ""), flush=True)
         if summary.get("stopped_early"):
             print(stopped_early_text(summary["stopped_early"]), flush=True)
