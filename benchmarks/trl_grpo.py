@@ -527,11 +527,13 @@ def lachesis_side(args: argparse.Namespace, config_dict: dict[str, Any],
 
 def time_to_accuracy(results: list[dict[str, Any]], target: float | None
                      ) -> tuple[float, dict[str, dict[str, Any] | None]]:
-    """The target accuracy (``target``, else the lower of the sides' best evaluated
-    accuracies: one both reached) and, per side, the first curve point at or above it."""
+    """The target accuracy (``target``, else the lower of the sides' best accuracies after
+    step 0: one both reached) and, per side, the first point after step 0 at or above it."""
     if target is None:
-        target = min(max(p["accuracy"] for p in r["curve"]) for r in results)
-    return target, {r["side"]: next((p for p in r["curve"] if p["accuracy"] >= target), None)
+        target = min(max((p["accuracy"] for p in r["curve"] if p["step"] > 0), default=0.0)
+                     for r in results)
+    return target, {r["side"]: next((p for p in r["curve"]
+                                     if p["step"] > 0 and p["accuracy"] >= target), None)
                     for r in results}
 
 
@@ -613,7 +615,10 @@ def main() -> None:
             print(f"  {side}: " + ("not reached" if p is None else
                                    f"step {p['step']}, {p['wall_s']:.0f} s wall, "
                                    f"{p['train_s']:.0f} s of steps"))
-        if len(reached) == 2 and all(reached.values()):
+        start_accuracy = results[0]["curve"][0]["accuracy"]
+        if target <= start_accuracy:
+            print(f"(the starting policy had {start_accuracy:.3f} already: no gain to time)")
+        if len(reached) == 2 and all(reached.values()) and reached["trl"]["wall_s"] > 0:
             ratio = reached["lachesis"]["wall_s"] / reached["trl"]["wall_s"]
             print(f"wall time to it, lachesis / TRL = {ratio:.2f} (goal <= 1: "
                   f"{'met' if ratio <= 1 else 'NOT met'})")
