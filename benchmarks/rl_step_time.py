@@ -30,6 +30,9 @@ checkout on the ``PYTHONPATH``. ``--json OUT`` writes everything.
 
     .venv/bin/python benchmarks/rl_step_time.py --model runs/quickstart/warm_start/final \\
         --steps 12 --variants before,base --json /tmp/steps.json
+
+``--config CONFIG`` measures another run config's RL phase (configs/quickstart.yaml by
+default; ``--model`` defaults to its warm start, runs/NAME/warm_start/final).
 """
 
 from __future__ import annotations

@@ -32,6 +32,21 @@ the 8 groups it drew, signal or not (``groups_with_signal`` says how many had it
 
     .venv/bin/python benchmarks/trl_grpo.py \\
         --model runs/quickstart/warm_start/final --steps 30 --json /tmp/trl_grpo.json
+
+``--config CONFIG`` runs another config's RL phase the same way (configs/quickstart.yaml
+by default; ``--model`` defaults to its warm start, runs/NAME/warm_start/final): its env
+settings, batch, learning rate and warm-up on both sides, and its trainer dtype on both
+(``dtype: auto``: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16; TRL then gets the model
+in bfloat16 and ``bf16`` on). ``--eval-every K`` gives accuracy curves: the starting
+policy, TRL every K steps (inside its run, out of its timings) and Lachesis's checkpoints
+(written every K steps; the run itself then evaluates nothing) are evaluated by one
+evaluator, the env's ``evaluate()`` sampling in-process (:func:`evaluate_policy`), and the
+script prints the wall time each side took to the same accuracy (from its start: for
+Lachesis ``lachesis run``'s launch; evaluations left out):
+
+    flock /tmp/lachesis-heavy.lock .venv/bin/python benchmarks/trl_grpo.py \\
+        --config configs/smollm2.yaml --model runs/smollm2/warm_start/final \\
+        --steps 12 --eval-every 4 --json /tmp/trl_smollm2.json
 """
 
 from __future__ import annotations
