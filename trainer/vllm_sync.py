@@ -608,11 +608,11 @@ class PolicyServers:
         worst = max(gaps, default=0.0)
         self.checked = True
         log.info("sync check: mean |trainer - vLLM| logprob after the sync = %.2e", worst)
-        if worst >= self.config.alignment_bound():
+        if worst >= self.config.alignment_bound('sync'):
             raise WeightSyncError(
                 f"after the weight sync ({self.method}), vLLM's logprobs differ from the "
                 f"trainer's by {worst:.3g} on average (tolerance "
-                f"{self.config.alignment_bound()}): the servers do not hold the trained "
+                f"{self.config.alignment_bound('sync')}): the servers do not hold the trained "
                 "weights")
         return worst
 
