@@ -24,7 +24,7 @@ UV_SOURCES = --index-strategy unsafe-best-match \
 	$(addprefix --extra-index-url ,$(sort $(PIP_EXTRA_INDEX_URL) $(call pip_config,extra-index-url))) \
 	$(addprefix --find-links ,$(sort $(PIP_FIND_LINKS) $(call pip_config,find-links)))
 
-.PHONY: install test test-serial test-all test-fast demo bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
+.PHONY: install test test-serial test-all test-fast demo demo-tiny bench-api bench-rollout bench-trainer bench-trainer-memory bench-report bench-gpu clean
 
 install: $(STAMP)
 
@@ -85,8 +85,15 @@ test-all: install
 test-fast: install
 	$(PY) -m pytest -q -m unit
 
-# The quickstart: tiny model, SFT warm start, MT-GRPO through the whole system (runs/quickstart/).
+# The demo: SmolLM2-135M-Instruct (a real instruct model from PyPI, converted on first use
+# into ~/.cache/lachesis/models), a short SFT warm start, MT-GRPO on calculator word
+# problems through the whole system (runs/smollm2/; docs/packaged-models.md).
 demo: install
+	$(PY) -m lachesis.cli run configs/smollm2.yaml --fresh
+
+# The old quickstart: a tiny random model (0.40 M parameters) with a tokenizer learned on
+# its task, SFT warm start, MT-GRPO (runs/quickstart/; about 4 minutes).
+demo-tiny: install
 	$(PY) -m lachesis.cli run configs/quickstart.yaml --fresh
 
 bench-api: install

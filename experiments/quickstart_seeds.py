@@ -5,8 +5,12 @@
     python experiments/quickstart_seeds.py --report-only    # table of finished runs
     python experiments/quickstart_seeds.py --config my.yaml --runs-dir runs/my-seeds
 
+    python experiments/quickstart_seeds.py --config configs/smollm2.yaml \
+        --runs-dir runs/smollm2-seeds                       # make demo's SmolLM2 run
+
 Each seed is the whole quickstart as ``lachesis run`` does it, from scratch: a new tiny
-model (weights and learned tokenizer), a new warm start, new training items, new
+model (weights and learned tokenizer; a packaged model such as SmolLM2 stays the
+same), a new warm start, new training items, new
 held-out evaluation items and a new trainer seed; nothing else differs from
 ``configs/quickstart.yaml`` (or the ``--config`` given: to compare settings over the
 same seeds). Runs go to ``runs/quickstart-seeds/seed{N}``. Reported: answer
@@ -40,9 +44,10 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 def seed_config(seed: int, runs_dir: Path, base: Path = QUICKSTART) -> dict[str, Any]:
     config = yaml.safe_load(base.read_text())
-    config.update(name=f"seed{seed}", runs_dir=str(runs_dir),
-                  model=str(runs_dir / f"model-seed{seed}"))
-    config["build_tiny_model"] = {**config["build_tiny_model"], "seed": seed}
+    config.update(name=f"seed{seed}", runs_dir=str(runs_dir))
+    if "build_tiny_model" in config:  # a new random model per seed; a real one stays
+        config["model"] = str(runs_dir / f"model-seed{seed}")
+        config["build_tiny_model"] = {**config["build_tiny_model"], "seed": seed}
     config["warm_start"]["settings"]["seed"] = 100 + seed
     config["warm_start"]["train"]["seed"] = seed
     config["envs"][0]["settings"]["seed"] = seed

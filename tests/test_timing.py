@@ -99,3 +99,42 @@ def test_where_the_time_went_adds_up_to_the_wall_time_hangs_included():
             100.0 - 50.5 - 20.0}
     assert sum(parts.values()) == pytest.approx(phases["training"])
     assert figures["**total**"] == sum(phases.values()) == 150.0
+
+
+def test_the_summary_shows_the_same_held_out_items_before_and_after(tmp_path):
+    """Sample transcripts pair each item's first episode before RL with its first
+    episode after: items whose outcome changed first, in the order the evaluation wrote
+    them, then the others; an item evaluated only once is not shown. The page of every
+    evaluation episode is written beside them."""
+    def group(item: str, turns: list[dict], scores: list[float]) -> str:
+        messages = [{"role": "system", "content": "Solve it."},
+                    {"role": "user", "content": f"question {item}"}, *turns]
+        return json.dumps({"item_id": item, "env": "arithmetic_tool", "trajectories": [
+            {"tokens": [1, 2, 3], "masks": [-100, 2, 3], "scores": scores,
+             "messages": messages}]}) + "\n"
+
+    direct = [{"role": "assistant", "content": "<answer>381</answer>"}]
+    called = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type":
+               "function", "function": {"name": "calculator", "arguments": {
+                   "expression": "17 * 23"}}}]},
+              {"role": "tool", "content": "391"},
+              {"role": "assistant", "content": "<answer>391</answer>"}]
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "before-env.jsonl").write_text(
+        group("same", called, [1.0, 1.0]) + group("a", direct, [0.1])
+        + group("b", direct, [0.1]) + group("only-before", direct, [0.1]))
+    (run / "eval" / "after-env.jsonl").write_text(
+        group("b", called, [1.0, 1.0]) + group("a", called, [1.0, 1.0])
+        + group("same", called, [1.0, 1.0]))
+    written = write_summary(run, {}, run / "metrics.jsonl")
+    [text] = written["transcripts"]
+    assert text.index("**question a**") < text.index("**question b**") \
+        < text.index("**question same**")
+    assert "among the 2 of 3 whose outcome changed" in text
+    assert "only-before" not in text
+    assert ("--- before RL [0.1]\nassistant: <answer>381</answer>\n--- after RL [1.0, 1.0]\n"
+            'assistant: <tool_call>{"name": "calculator", "arguments": {"expression": '
+            '"17 * 23"}}</tool_call>\ntool: 391\nassistant: <answer>391</answer>') in text
+    assert text in (run / "summary.md").read_text()
+    assert (run / "eval" / "report.html").stat().st_size > 1000

@@ -54,8 +54,10 @@ def _episode(group: dict[str, Any]) -> tuple[str, str, Any]:
 
 
 def transcripts(before: Path, after: Path, n: int = 3) -> str:
-    """Markdown: the first episode of the first ``n`` held-out items evaluated both before
-    and after RL (the same items, sampled at the evaluation's temperature)."""
+    """Markdown: the first episode of ``n`` held-out items evaluated both before and after
+    RL (the same items, sampled at the evaluation's temperature): the first items, in
+    evaluation order, whose first episode's outcome changed (better or worse), then, if
+    fewer did, the first of the others."""
     def groups(path: Path) -> dict[str, dict[str, Any]]:
         found = {}
         with open(path) as f:
@@ -64,12 +66,20 @@ def transcripts(before: Path, after: Path, n: int = 3) -> str:
                 found.setdefault(group.get("item_id"), group)
         return found
 
+    def outcome(group: dict[str, Any]) -> Any:
+        scores = group["trajectories"][0].get("scores")
+        return scores[-1] if isinstance(scores, list) else scores
+
     b, a = groups(before), groups(after)
-    shown = [item for item in b if item in a][:n]
+    both = [item for item in b if item in a]
+    changed = [item for item in both if outcome(b[item]) != outcome(a[item])]
+    shown = (changed + [item for item in both if item not in changed])[:n]
     if not shown:
         return ""
-    lines = [f"Sample transcripts: the first episode of {len(shown)} held-out items, before "
-             "and after RL (turn scores in brackets).", ""]
+    lines = [f"Sample transcripts: the first episode of {len(shown)} held-out items before "
+             f"and after RL, the first {min(len(changed), n)} of them among the "
+             f"{len(changed)} of {len(both)} whose outcome changed (turn scores in "
+             "brackets).", ""]
     for item in shown:
         question, _, _ = _episode(b[item])
         lines += [f"**{question}**", "", "```text"]
