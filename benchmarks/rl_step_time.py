@@ -30,6 +30,9 @@ checkout on the ``PYTHONPATH``. ``--json OUT`` writes everything.
 
     .venv/bin/python benchmarks/rl_step_time.py --model runs/quickstart/warm_start/final \\
         --steps 12 --variants before,base --json /tmp/steps.json
+
+``--config CONFIG`` measures another run config's RL phase (configs/quickstart.yaml by
+default; ``--model`` defaults to its warm start, runs/NAME/warm_start/final).
 """
 
 from __future__ import annotations
@@ -98,14 +101,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def quickstart_config() -> dict[str, Any]:
-    """configs/quickstart.yaml, as a dict."""
-    return yaml.safe_load((REPO_ROOT / "configs" / "quickstart.yaml").read_text())
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+
+
+def quickstart_config(path: str | Path | None = None) -> dict[str, Any]:
+    """A run config as a dict: ``path`` (relative to the working directory, else to the
+    repository), configs/quickstart.yaml by default."""
+    if path is None:
+        path = DEFAULT_CONFIG
+    path = Path(path)
+    if not path.exists() and (REPO_ROOT / path).exists():
+        path = REPO_ROOT / path
+    return yaml.safe_load(path.read_text())
 
 
 def run_config(model: str, name: str, steps: int, variant: dict[str, Any],
-               vllm_port: int) -> dict[str, Any]:
-    config = quickstart_config()
+               vllm_port: int, config_path: str | Path | None = None) -> dict[str, Any]:
+    """``config_path``'s RL phase (configs/quickstart.yaml by default) from ``model``, as
+    ``name``, for ``steps`` steps, with ``variant``'s changes and vLLM on ``vllm_port``
+    (no warm start, no evaluation, no checkpoint before the end)."""
+    config = quickstart_config(config_path)
     config.pop("build_tiny_model", None)
     config.pop("warm_start", None)
     config.update(name=name, model=str(Path(model).resolve()), evaluate=False)
@@ -211,7 +226,7 @@ def _steps(path: Path) -> list[dict[str, Any]]:
 def measure(name: str, variant: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     run_name = f"bench-steps-{name}"
     port = free_port()
-    config = run_config(args.model, run_name, args.steps, variant, port)
+    config = run_config(args.model, run_name, args.steps, variant, port, args.config)
     config_path = Path(args.workdir) / f"{run_name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -374,12 +389,26 @@ def fmt(x: Any, spec: str = ".3f") -> str:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
-    """``--model``, ``--steps`` and ``--skip``: the short RL runs of a benchmark."""
-    parser.add_argument("--model", default="runs/quickstart/warm_start/final",
-                        help="the policy to start RL from (the quickstart's warm start)")
+    """``--config``, ``--model``, ``--steps`` and ``--skip``: the short RL runs of a
+    benchmark (:func:`resolve_run_arguments` fills ``--model``'s default in)."""
+    parser.add_argument("--config", default=None,
+                        help="the run config whose RL phase runs (default "
+                        "configs/quickstart.yaml)")
+    parser.add_argument("--model", default=None,
+                        help="the policy to start RL from (default: the config's warm start, "
+                        "runs/NAME/warm_start/final; the quickstart's: "
+                        "runs/quickstart/warm_start/final)")
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--skip", type=int, default=2,
                         help="warm-up steps left out of the timing")
+
+
+def resolve_run_arguments(args: argparse.Namespace) -> None:
+    """``--model`` by default: the warm start that ``lachesis run --config`` writes,
+    runs/NAME/warm_start/final (NAME: the config's ``name``)."""
+    if args.model is None:
+        name = quickstart_config(args.config).get("name", "quickstart")
+        args.model = f"runs/{name}/warm_start/final"
 
 
 def check_model(model: str) -> None:
@@ -403,6 +432,7 @@ def main() -> None:
                         "trainer, the rollout API and vLLM's processes over the timed steps")
     parser.add_argument("--py-spy-seconds", type=int, default=20)
     args = parser.parse_args()
+    resolve_run_arguments(args)
     check_model(args.model)
     for spec in args.checkout:
         name, _, where = spec.partition("=")

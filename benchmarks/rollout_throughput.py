@@ -1,6 +1,11 @@
 """The quickstart's episodes per second through the env framework, against the engine's
 ceiling: the same work through vLLM's offline ``LLM.generate``, in one run.
 
+``--config`` names the run config whose env settings and vLLM settings are measured
+(configs/quickstart.yaml by default; configs/smollm2.yaml measures SmolLM2 with its warm
+start, vLLM's dtype as the config resolves it: ``auto`` is bfloat16 on a CPU with AMX-BF16
+or AVX512-BF16). With the quickstart:
+
 1. **Framework.** One vLLM server (the quickstart's settings: float32, eager,
    ``max_model_len`` 1024, 1 GiB of KV cache) serves the policy (``--model``: the
    quickstart's warm start). The real ``arithmetic_tool`` env, with the quickstart's env
@@ -53,12 +58,23 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 GOAL = 0.8
+CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+"""The run config whose env and vLLM settings are measured (``--config``)."""
 
 
 def quickstart() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The quickstart's env settings and vLLM settings."""
-    config = yaml.safe_load((REPO_ROOT / "configs" / "quickstart.yaml").read_text())
+    """The env settings and vLLM settings of :data:`CONFIG` (the quickstart's by
+    default)."""
+    config = yaml.safe_load(Path(CONFIG).read_text())
     return config["envs"][0]["settings"], config.get("vllm", {})
+
+
+def vllm_dtype(vllm_settings: dict[str, Any]) -> str:
+    """vLLM's dtype in the config (``auto``: bfloat16 on a CPU with AMX-BF16 or
+    AVX512-BF16, as ``lachesis run`` resolves it)."""
+    from environments.inference.dtypes import resolve_dtype
+
+    return resolve_dtype(vllm_settings.get("dtype", "float32"))
 
 
 def server_cpu_snapshot(pid: int) -> tuple[float, float, dict[str, float]]:
@@ -158,7 +174,7 @@ def ceiling(model: str, groups_path: Path, eager: bool = True) -> dict[str, Any]
     from vllm.inputs import TokensPrompt
 
     settings, vllm_settings = quickstart()
-    llm = LLM(model=model, dtype="float32", enforce_eager=eager,
+    llm = LLM(model=model, dtype=vllm_dtype(vllm_settings), enforce_eager=eager,
               max_model_len=vllm_settings.get("max_model_len", 1024),
               gpu_memory_utilization=0.3, seed=0)
     by_turn = replay_turns(groups_path)
@@ -188,8 +204,13 @@ def ceiling(model: str, groups_path: Path, eager: bool = True) -> dict[str, Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="runs/quickstart/warm_start/final",
-                        help="the policy (the quickstart's warm start after `make demo`)")
+    parser.add_argument("--config", default=None,
+                        help="the run config whose env settings and vLLM settings (dtype, "
+                        "max_model_len, KV cache) are measured (default "
+                        "configs/quickstart.yaml)")
+    parser.add_argument("--model", default=None,
+                        help="the policy (default: the config's warm start, "
+                        "runs/NAME/warm_start/final: the quickstart's after `make demo`)")
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=None,
                         help="rollouts in flight, with as many groups under way as that "
@@ -209,6 +230,13 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--ceiling", help=argparse.SUPPRESS)  # internal: GROUPS.jsonl
     args = parser.parse_args()
+    global CONFIG
+    if args.config is not None:
+        CONFIG = Path(args.config) if Path(args.config).exists() else REPO_ROOT / args.config
+        CONFIG = CONFIG.resolve()
+    if args.model is None:
+        name = yaml.safe_load(Path(CONFIG).read_text()).get("name", "quickstart")
+        args.model = f"runs/{name}/warm_start/final"
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     if not Path(model, "config.json").exists():
         sys.exit(f"--model {args.model}: no HF model there (run `make demo` first)")
@@ -223,6 +251,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="rollout-throughput-"))
     groups_path = workdir / "groups.jsonl"
     with VLLMProcess(model, max_model_len=vllm_settings.get("max_model_len", 1024),
+                     dtype=vllm_dtype(vllm_settings),
                      kv_cache_space_gib=vllm_settings.get("kv_cache_gib", 1),
                      env=dict(kv.split("=", 1) for kv in args.vllm_env),
                      enforce_eager=not args.compiled, extra_args=args.vllm_arg,
@@ -248,9 +277,10 @@ def main() -> None:
     # (one per core: alone on the machine, 1 or 2 threads sampled as fast here).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm_settings.get("kv_cache_gib", 1)),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run([sys.executable, __file__, "--model", model, "--ceiling",
-                           str(groups_path)] + (["--compiled"] if args.compiled else []), env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([sys.executable, __file__, "--model", model, "--config", str(CONFIG),
+                           "--ceiling", str(groups_path)]
+                          + (["--compiled"] if args.compiled else []), env=env,
+                          capture_output=True, text=True, timeout=1800)
     line = next((x for x in done.stdout.splitlines() if x.startswith("CEILING ")), None)
     if done.returncode != 0 or line is None:
         sys.exit(f"the engine-ceiling run failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -259,13 +289,16 @@ def main() -> None:
     print(f"engine ceiling (LLM.generate, {len(top['turn_batches'])} turn batches of "
           f"{top['turn_batches']}): {top['episodes']} episodes in {top['seconds']:.2f} s = "
           f"{top['episodes_per_s']:.1f} episodes/s")
+    print(f"({Path(CONFIG).name}, vLLM {vllm_dtype(vllm_settings)})")
     print(f"framework / ceiling = {ratio:.2f} (goal >= {GOAL}: "
           f"{'met' if ratio >= GOAL else 'NOT met'})")
     if unshared is not None:
         print(f"framework, share_identical_requests off / ceiling = "
               f"{unshared['episodes_per_s'] / top['episodes_per_s']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"framework": side, "ceiling": top,
+        Path(args.json).write_text(json.dumps({"config": str(CONFIG),
+                                               "dtype": vllm_dtype(vllm_settings),
+                                               "framework": side, "ceiling": top,
                                                "ratio": ratio, "goal": GOAL,
                                                "framework_unshared": unshared}, indent=1))
 

@@ -32,6 +32,21 @@ the 8 groups it drew, signal or not (``groups_with_signal`` says how many had it
 
     .venv/bin/python benchmarks/trl_grpo.py \\
         --model runs/quickstart/warm_start/final --steps 30 --json /tmp/trl_grpo.json
+
+``--config CONFIG`` runs another config's RL phase the same way (configs/quickstart.yaml
+by default; ``--model`` defaults to its warm start, runs/NAME/warm_start/final): its env
+settings, batch, learning rate and warm-up on both sides, and its trainer dtype on both
+(``dtype: auto``: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16; TRL then gets the model
+in bfloat16 and ``bf16`` on). ``--eval-every K`` gives accuracy curves: the starting
+policy, TRL every K steps (inside its run, out of its timings) and Lachesis's checkpoints
+(written every K steps; the run itself then evaluates nothing) are evaluated by one
+evaluator, the env's ``evaluate()`` sampling in-process (:func:`evaluate_policy`), and the
+script prints the wall time each side took to the same accuracy (from its start: for
+Lachesis ``lachesis run``'s launch; evaluations left out):
+
+    flock /tmp/lachesis-heavy.lock .venv/bin/python benchmarks/trl_grpo.py \\
+        --config configs/smollm2.yaml --model runs/smollm2/warm_start/final \\
+        --steps 12 --eval-every 4 --json /tmp/trl_smollm2.json
 """
 
 from __future__ import annotations
@@ -55,7 +70,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from rl_step_time import (  # noqa: E402
-    _steps, add_run_arguments, check_model, free_port, quickstart_config, run_config)
+    _steps, add_run_arguments, check_model, free_port, quickstart_config,
+    resolve_run_arguments, run_config)
 
 
 # -- in-process generation for the env's agent loop ------------------------------------
@@ -230,11 +246,13 @@ def outcome_reward(completions: Any, turn_rewards: list[list[float]], **_: Any) 
 
 def grpo_trainer(env: Any, items: list[Any], loop: asyncio.AbstractEventLoop, model: Any,
                  tokenizer: Any, *, steps: int, batch: int, lr: float, warmup_steps: int,
-                 output_dir: Path, seed: int, callbacks: list[Any] = ()
+                 output_dir: Path, seed: int, callbacks: list[Any] = (), bf16: bool = False
                  ) -> tuple[Any, list[int]]:
     """TRL's ``GRPOTrainer`` on ``items`` of ``env`` (rolled out by ``env``'s own code,
     :func:`env_rollouts`), ``batch`` completions a step in groups of the env's
-    ``group_size``; and the list to which each step appends its groups with signal."""
+    ``group_size``; and the list to which each step appends its groups with signal.
+    ``bf16``: TRL's bf16 setting (give it a model loaded in bfloat16, as the trainer
+    loads it with ``dtype: bfloat16``: both then train the bfloat16 weights)."""
     import datasets
     import trl
     from trl.models import unwrap_model_for_generation
@@ -269,39 +287,94 @@ def grpo_trainer(env: Any, items: list[Any], loop: asyncio.AbstractEventLoop, mo
             num_generations=group, gradient_accumulation_steps=1, learning_rate=lr,
             warmup_steps=warmup_steps, lr_scheduler_type="constant_with_warmup",
             temperature=env.config.temperature,
-            max_completion_length=env.config.max_token_length, use_cpu=True, bf16=False,
+            max_completion_length=env.config.max_token_length, use_cpu=True, bf16=bf16,
             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
             seed=seed))
     return trainer, signal
 
 
-def trl_side(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+def policy_dtype(config: dict[str, Any]) -> str:
+    """The trainer's dtype in ``config`` (``train.dtype``; ``auto``: bfloat16 on a CPU with
+    AMX-BF16 or AVX512-BF16, environments/inference/dtypes.py), as ``lachesis run``
+    resolves it."""
+    from environments.inference.dtypes import resolve_dtype
+
+    return resolve_dtype(config.get("train", {}).get("dtype", "float32"))
+
+
+def eval_settings(config: dict[str, Any], model: str) -> dict[str, Any]:
+    return {**config["envs"][0]["settings"], "tokenizer": model}
+
+
+def evaluate_policy(model_dir: str | Path, config: dict[str, Any], tokenizer_dir: str
+                    ) -> dict[str, Any]:
+    """The env's held-out evaluation (its ``eval_items`` at its eval temperature) of the
+    policy in ``model_dir``, sampled in-process (:class:`InProcessBackend`, the config's
+    trainer dtype): the evaluator of both sides' curves (``--eval-every``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if policy_dtype(config) == "bfloat16" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    settings = eval_settings(config, tokenizer_dir)
+    env = make_env(model, tokenizer, settings, concurrency=settings.get("eval_items", 256))
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(env.setup())
+        started = time.monotonic()
+        result = loop.run_until_complete(env.evaluate())
+        loop.run_until_complete(env.close())
+    finally:
+        loop.close()
+    return {**result, "seconds": time.monotonic() - started}
+
+
+def curve_point(step: int, train_s: float, wall_s: float, result: dict[str, Any]
+                ) -> dict[str, Any]:
+    return {"step": step, "train_s": round(train_s, 2), "wall_s": round(wall_s, 2),
+            "accuracy": result["correct"], "accuracy_ci95": result["correct_ci95"],
+            "eval_s": round(result["seconds"], 1)}
+
+
+def trl_side(args: argparse.Namespace, config: dict[str, Any],
+             start: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``start``: the starting policy's evaluation, already done (``--eval-every``)."""
     import torch
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.models import unwrap_model_for_generation
 
-    settings = {**config["envs"][0]["settings"], "tokenizer": args.model}
+    side_started = time.monotonic()
+    eval_seconds = 0.0  # evaluations left out of the wall time
+    settings = eval_settings(config, args.model)
     train = config["train"]
     batch, group = train["batch_size"], settings["group_size"]
+    dtype = policy_dtype(config)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     env = make_env(model, tokenizer, settings, concurrency=max(batch, settings["eval_items"]))
     loop = asyncio.new_event_loop()
     loop.run_until_complete(env.setup())
 
     def evaluate() -> dict[str, Any]:
+        nonlocal eval_seconds
         model.eval()
         if model.is_gradient_checkpointing:  # (TRL turns it on for training)
             model.gradient_checkpointing_disable()
         started = time.monotonic()
         result = loop.run_until_complete(env.evaluate())
+        eval_seconds += time.monotonic() - started
         return {**result, "seconds": time.monotonic() - started}
 
-    before = evaluate()
-    print(f"TRL side: evaluation before: accuracy {before['correct']:.3f} "
+    before = start if start is not None else evaluate()
+    print(f"TRL side ({dtype}): evaluation before: accuracy {before['correct']:.3f} "
           f"({before['seconds']:.1f} s)", flush=True)
     items = [loop.run_until_complete(env.get_next_item())
              for _ in range(args.steps * batch // group)]
+    curve = [curve_point(0, 0.0, 0.0, before)]
+    trainer: list[Any] = []  # the GRPOTrainer, once made
 
     class StepTimes(TrainerCallback):
         def __init__(self) -> None:
@@ -313,6 +386,30 @@ def trl_side(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]
 
         def on_step_end(self, args_, state, control, **kwargs):
             self.seconds.append(time.monotonic() - self.began)
+            step = state.global_step
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                # the held-out evaluation mid-run, left out of the step times and the
+                # wall time: the model unwrapped for generation as rollout_func does
+                nonlocal eval_seconds
+                wall = time.monotonic() - side_started - eval_seconds
+                started = time.monotonic()
+                grpo = trainer[0]
+                with unwrap_model_for_generation(
+                        grpo.model_wrapped, grpo.accelerator,
+                        gradient_checkpointing_kwargs=grpo.args.gradient_checkpointing_kwargs
+                ) as model_now:
+                    was_training = model_now.training
+                    model_now.eval()
+                    env.eval_backend.model = model_now
+                    result = loop.run_until_complete(env.evaluate())
+                    env.eval_backend.model = model
+                    model_now.train(was_training)
+                seconds = time.monotonic() - started
+                eval_seconds += seconds
+                curve.append(curve_point(step, sum(self.seconds), wall,
+                                         {**result, "seconds": seconds}))
+                print(f"TRL side: step {step}: accuracy {result['correct']:.3f} "
+                      f"({seconds:.1f} s)", flush=True)
 
         def on_log(self, args_, state, control, logs=None, **kwargs):
             self.logs.append(dict(logs or {}))
@@ -321,18 +418,23 @@ def trl_side(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]
     grpo, signal = grpo_trainer(
         env, items, loop, model, tokenizer, steps=args.steps, batch=batch,
         lr=train["lr"], warmup_steps=train["warmup_steps"],
-        output_dir=Path(args.workdir) / "trl", seed=args.seed, callbacks=[times])
+        output_dir=Path(args.workdir) / "trl", seed=args.seed, callbacks=[times],
+        bf16=dtype == "bfloat16")
+    trainer.append(grpo)
     model.train()
-    started = time.monotonic()
+    started, evals_before = time.monotonic(), eval_seconds
     grpo.train()
-    wall = time.monotonic() - started
+    wall = time.monotonic() - started - (eval_seconds - evals_before)  # mid-run evals out
+    side_wall = time.monotonic() - side_started - eval_seconds
     after = evaluate()
+    curve.append(curve_point(len(times.seconds), sum(times.seconds), side_wall, after))
     steps = times.seconds[args.skip:]
     rewards = [log["reward"] for log in times.logs if "reward" in log]
     loop.run_until_complete(env.close())
     loop.close()
     return {
-        "side": "trl", "trl_version": trl.__version__, "steps": len(times.seconds),
+        "side": "trl", "trl_version": trl.__version__, "dtype": dtype,
+        "steps": len(times.seconds),
         "timed_steps": len(steps), "median_step_s": statistics.median(steps),
         "mean_step_s": statistics.mean(steps), "max_step_s": max(steps),
         "completions_per_s": batch * len(steps) / sum(steps), "train_wall_s": wall,
@@ -342,46 +444,112 @@ def trl_side(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]
         "generate_batches_mean": statistics.mean(env.backend.batches),
         "accuracy_before": before["correct"], "accuracy_after": after["correct"],
         "accuracy_after_ci95": after["correct_ci95"], "eval_items": after["items"],
-        "eval_failed": after["failed"], "step_s": times.seconds}
+        "eval_failed": after["failed"], "curve": curve,
+        "wall_to_end_s": side_wall, "step_s": times.seconds}
 
 
-def lachesis_side(args: argparse.Namespace) -> dict[str, Any]:
+def lachesis_side(args: argparse.Namespace, config_dict: dict[str, Any],
+                  start: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``lachesis run`` of the config's RL phase from ``--model``. With ``--eval-every K``
+    (``start``: the starting policy's evaluation): no evaluation inside the run; a
+    checkpoint every K steps, each evaluated afterwards by :func:`evaluate_policy`, the
+    evaluator of TRL's side, and the wall time of each step read as its metrics line
+    appears (from the run's launch: vLLM's start, the trainer's load included)."""
     name = "bench-trl-lachesis"
-    config = run_config(args.model, name, args.steps, {}, free_port())
-    config["evaluate"] = True
+    config = run_config(args.model, name, args.steps, {}, free_port(), args.config)
+    curves = bool(args.eval_every)
+    config["evaluate"] = not curves
+    if curves:
+        config["train"].update(checkpoint_every=args.eval_every,
+                               keep_checkpoints=args.steps // args.eval_every + 1)
     config_path = Path(args.workdir) / f"{name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log_path = Path(args.workdir) / f"{name}.log"
+    run_dir = Path("runs") / name
+    metrics_path = run_dir / "trainer" / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)  # (--fresh removes it too; not seen before then)
+    appeared: dict[int, float] = {}  # step -> seconds from the launch to its metrics line
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        done = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "lachesis.cli", "run", str(config_path), "--fresh"],
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=log,
-            stderr=subprocess.STDOUT, timeout=args.timeout)
+            stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - started > args.timeout:
+                    raise TimeoutError(f"lachesis run ran past {args.timeout} s "
+                                       f"(log: {log_path})")
+                now = time.monotonic() - started
+                for line in _steps(metrics_path):
+                    appeared.setdefault(line["step"], now)
+                time.sleep(0.25)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
     wall = time.monotonic() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"lachesis run exited with {done.returncode} (log: {log_path})")
-    run_dir = Path("runs") / name
-    steps = _steps(run_dir / "trainer" / "metrics.jsonl")
+    if proc.returncode != 0:
+        raise RuntimeError(f"lachesis run exited with {proc.returncode} (log: {log_path})")
+    steps = _steps(metrics_path)
     timed = [s for s in steps if s["step"] > args.skip]
     step_s = [s["time/step"] for s in timed]
-    before, after = (json.loads((run_dir / "eval" / f"{when}-arithmetic_tool.json").read_text())
-                     for when in ("before", "after"))
     rewards = [s["reward_mean"] for s in steps]
+    if curves:
+        from trainer.checkpoint import checkpoint_dir
+
+        before = start
+        curve = [curve_point(0, 0.0, 0.0, start)]
+        for k in range(args.eval_every, args.steps + 1, args.eval_every):
+            if k not in {s["step"] for s in steps}:
+                break
+            checkpoint = checkpoint_dir(run_dir / "trainer", k)
+            result = evaluate_policy(checkpoint, config_dict, args.model)
+            curve.append(curve_point(
+                k, sum(s["time/step"] for s in steps if s["step"] <= k),
+                appeared.get(k, wall), result))
+            print(f"Lachesis side: step {k}: accuracy {result['correct']:.3f} "
+                  f"({result['seconds']:.1f} s)", flush=True)
+        if curve[-1]["step"] != len(steps):
+            result = evaluate_policy(checkpoint_dir(run_dir / "trainer", len(steps)),
+                                     config_dict, args.model)
+            curve.append(curve_point(len(steps), sum(s["time/step"] for s in steps),
+                                     appeared.get(len(steps), wall), result))
+        after = result
+    else:
+        curve = None
+        before, after = (
+            json.loads((run_dir / "eval" / f"{when}-arithmetic_tool.json").read_text())
+            for when in ("before", "after"))
     return {
-        "side": "lachesis", "steps": len(steps), "timed_steps": len(timed),
+        "side": "lachesis", "dtype": policy_dtype(config_dict), "steps": len(steps),
+        "timed_steps": len(timed),
         "median_step_s": statistics.median(step_s), "mean_step_s": statistics.mean(step_s),
         "max_step_s": max(step_s),
         "completions_per_s": sum(s["rows"] for s in timed) / sum(step_s),
         "run_wall_s": wall,
+        "checkpoint_s": sum(s.get("time/checkpoint", 0.0) for s in steps),
         "reward_mean_first_5": statistics.mean(rewards[:5]),
         "reward_mean_last_5": statistics.mean(rewards[-5:]),
         "groups_set_aside": sum(s.get("groups_set_aside", 0) for s in steps),
         "accuracy_before": before["correct"], "accuracy_after": after["correct"],
         "accuracy_after_ci95": after["correct_ci95"], "eval_items": after["items"],
-        "eval_failed": after["failed"], "step_s": [s["time/step"] for s in steps],
+        "eval_failed": after["failed"], "curve": curve,
+        "wall_to_end_s": appeared.get(len(steps)), "step_s": [s["time/step"] for s in steps],
         "log": str(log_path)}
+
+
+def time_to_accuracy(results: list[dict[str, Any]], target: float | None
+                     ) -> tuple[float, dict[str, dict[str, Any] | None]]:
+    """The target accuracy (``target``, else the lower of the sides' best accuracies after
+    step 0: one both reached) and, per side, the first point after step 0 at or above it."""
+    if target is None:
+        target = min(max((p["accuracy"] for p in r["curve"] if p["step"] > 0), default=0.0)
+                     for r in results)
+    return target, {r["side"]: next((p for p in r["curve"]
+                                     if p["step"] > 0 and p["accuracy"] >= target), None)
+                    for r in results}
 
 
 def main() -> None:
@@ -390,10 +558,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="TRL's seed")
     parser.add_argument("--sides", default="lachesis,trl",
                         help="which to run, in this order (comma-separated)")
+    parser.add_argument("--eval-every", type=int, default=None, metavar="K",
+                        help="accuracy curves: both sides evaluated every K steps and at the "
+                        "end by the same in-process evaluator (the starting policy once), "
+                        "and the wall time each took to the same accuracy")
+    parser.add_argument("--target", type=float, default=None,
+                        help="with --eval-every: the accuracy to time (default: the lower "
+                        "of the two sides' best)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--workdir", default="runs/bench-trl")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    resolve_run_arguments(args)
     check_model(args.model)
     sides = args.sides.split(",")
     if unknown := [s for s in sides if s not in ("lachesis", "trl")]:
@@ -405,14 +581,24 @@ def main() -> None:
             import trl  # noqa: F401
         except ImportError:
             sys.exit("TRL is not installed: pip install -e '.[bench]'")
+    config = quickstart_config(args.config)
+    train, settings = config["train"], config["envs"][0]["settings"]
+    batch, group = train["batch_size"], settings["group_size"]
+    start = None
+    if args.eval_every:
+        start = evaluate_policy(args.model, config, args.model)
+        print(f"the starting policy ({policy_dtype(config)}, in-process): accuracy "
+              f"{start['correct']:.3f} ({start['seconds']:.1f} s)", flush=True)
     results = []
     for side in sides:
         print(f"-- {side}: {args.steps} steps from {args.model}", flush=True)
-        result = lachesis_side(args) if side == "lachesis" else trl_side(args, quickstart_config())
+        result = lachesis_side(args, config, start) if side == "lachesis" \
+            else trl_side(args, config, start)
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "step_s"}), flush=True)
-    print(f"\n{args.steps} steps of 8 groups of 8 from {args.model} (the first {args.skip} "
-          "left out of the step times)\n")
+    print(f"\n{args.steps} steps of {batch // group} groups of {group} from {args.model} "
+          f"({args.config or 'configs/quickstart.yaml'}, {policy_dtype(config)}; the first "
+          f"{args.skip} left out of the step times)\n")
     print("| | median s/step | mean s/step | completions/s | accuracy before | "
           "accuracy after [95 % CI] |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -428,6 +614,32 @@ def main() -> None:
         ratio = by_side["lachesis"]["median_step_s"] / by_side["trl"]["median_step_s"]
         print(f"\nmedian step, lachesis / TRL = {ratio:.2f} (goal <= 1: "
               f"{'met' if ratio <= 1 else 'NOT met'})")
+    if args.eval_every:
+        print("\naccuracy curves (the same in-process evaluator; wall s: from the side's "
+              "start, evaluations left out; train s: the summed step times)\n")
+        print("| side | step | train s | wall s | accuracy [95 % CI] |")
+        print("|---|---:|---:|---:|---:|")
+        for r in results:
+            for p in r["curve"]:
+                low, high = p["accuracy_ci95"]
+                print(f"| {r['side']} | {p['step']} | {p['train_s']:.0f} | {p['wall_s']:.0f} | "
+                      f"{p['accuracy']:.3f} [{low:.3f}, {high:.3f}] |")
+        target, reached = time_to_accuracy(results, args.target)
+        print(f"\ntime to accuracy >= {target:.3f}:")
+        for side, p in reached.items():
+            print(f"  {side}: " + ("not reached" if p is None else
+                                   f"step {p['step']}, {p['wall_s']:.0f} s wall, "
+                                   f"{p['train_s']:.0f} s of steps"))
+        start_accuracy = results[0]["curve"][0]["accuracy"]
+        if target <= start_accuracy:
+            print(f"(the starting policy had {start_accuracy:.3f} already: no gain to time)")
+        if len(reached) == 2 and all(reached.values()) and reached["trl"]["wall_s"] > 0:
+            ratio = reached["lachesis"]["wall_s"] / reached["trl"]["wall_s"]
+            print(f"wall time to it, lachesis / TRL = {ratio:.2f} (goal <= 1: "
+                  f"{'met' if ratio <= 1 else 'NOT met'})")
+        for r in results:
+            r["target_accuracy"] = target
+            r["reached"] = reached.get(r["side"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
