@@ -127,7 +127,9 @@ def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nod
     logs = {p.stem for p in (run_dir / "logs").glob("*.log")}
     assert {"api", "vllm", "env-arithmetic_tool", "trainer-0", "trainer-1", "warm_start-0",
             "warm_start-1", "eval-after-arithmetic_tool"} <= logs
-    assert "alignment check: mean |trainer - vLLM| logprob" in ranks_log[0]
+    assert "alignment check: mean |trainer - vLLM| logprob" in ranks_log[0], \
+        "rank 0 logged no alignment check; its log but progress bars:\n" + "\n".join(
+            line for line in ranks_log[0].splitlines() if "it/s]" not in line)[-6000:]
     metrics = [json.loads(line) for line in (run_dir / "trainer" / "metrics.jsonl").open()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["sync_seconds"] > 0 for m in metrics)
