@@ -77,6 +77,7 @@ def safetensors_weights(directory: Path) -> dict:
     return weights
 
 
+@pytest.mark.slow  # 133 s; runs on the two nodes: the killed-rank and supervisor tests below
 @pytest.mark.ray
 @pytest.mark.vllm
 def test_a_run_on_two_ray_nodes_ends_on_the_weights_of_a_one_machine_run(two_nodes, ray_model,
