@@ -35,6 +35,7 @@ of its continuation's.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,10 +152,19 @@ def convert_gguf(gguf_file: Path, out: Path, chat_template: str,
     from environments.inference.tied_weights import write_tied_weights
 
     transformers_logging.disable_progress_bar()  # one line said per step is enough
+    # (the GGUF reader's own bar is a plain tqdm, which that switch does not reach)
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
     # The weights are dequantized: nothing GGUF is left to save (save_pretrained refuses
     # a model that still carries its quantizer).
     model.hf_quantizer = None
