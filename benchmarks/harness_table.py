@@ -280,11 +280,15 @@ def main() -> None:
         counts = first_request_tokens(model, names)
         print(f"first requests in {model}'s tokenizer (context {context}):")
         for name in names:
+            if name not in counts:  # no captured request to count: left out of --fitting
+                print(f"  {name}: no captured first request in {FIXTURES} (not counted)")
+                continue
             fits = counts[name] + MAX_TOKENS_PER_TURN <= context
             print(f"  {name}: {counts[name]} tokens ({'fits' if fits else 'does not fit'})")
         if args.count_only:
             return
-        names = [n for n in names if counts[n] + MAX_TOKENS_PER_TURN <= context]
+        names = [n for n in names
+                 if n in counts and counts[n] + MAX_TOKENS_PER_TURN <= context]
     work = args.work or Path(tempfile.mkdtemp(prefix="harness-table-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
