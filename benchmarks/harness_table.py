@@ -1,9 +1,9 @@
 """The harness table: each catalog harness, installed as shipped, run end to end through
 the interception proxy on vLLM, its groups checked and trained on.
 
-For each harness (``--harness``, default all ten, and the variants: openai-agents a
+For each harness (``--harness``, default all eleven, and the variants: openai-agents a
 second time in its Chat Completions mode, Hermes Agent in its Responses and Anthropic
-Messages modes, Kimi Code in its Responses mode: fourteen rows): ``lachesis env process answer_file`` with ``agent:
+Messages modes, Kimi Code in its Responses mode: fifteen rows): ``lachesis env process answer_file`` with ``agent:
 NAME`` and ``script: true`` (one group of ``--group-size`` rollouts in bwrap
 sandboxes): the harness starts as shipped, its model calls reach the proxy in its own
 wire API, the proxy forces a two-turn episode (a call of the harness's shell tool writing

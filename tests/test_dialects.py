@@ -227,7 +227,8 @@ EPISODES = {"pi": ("bash", "chat"), "opencode": ("bash", "chat"),
             "gemini-cli": ("run_shell_command", "gemini"), "hermes": ("terminal", "chat"),
             "hermes-responses": ("terminal", "responses"),
             "hermes-messages": ("terminal", "messages"),
-            "qwen-code": ("run_shell_command", "chat"), "kimi-code": ("Bash", "chat")}
+            "qwen-code": ("run_shell_command", "chat"), "kimi-code": ("Bash", "chat"),
+            "kilo": ("bash", "chat")}
 
 
 @pytest.mark.parametrize("harness", sorted(EPISODES))

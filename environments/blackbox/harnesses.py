@@ -222,6 +222,42 @@ def _opencode(harness: Harness, rollout: RolloutSpec) -> Launch:
     return Launch(argv, env, stdin=rollout.task)
 
 
+def _kilo_entry(machine: str | None = None) -> str:
+    """Kilo's own binary (Bun, glibc) in its platform package: what its Node wrapper
+    spawns, so no Node is needed in the sandbox."""
+    arch = {"x86_64": "x64", "aarch64": "arm64"}.get(machine or platform.machine())
+    return f"node_modules/@kilocode/cli-linux-{arch}/bin/kilo" if arch \
+        else "node_modules/.bin/kilo"
+
+
+def _kilo(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # An OpenCode fork: the same config (KILO_CONFIG_CONTENT), the same switches under
+    # KILO_* (title agent, auto-compaction and pruning, models.dev fetch, LSP downloads,
+    # default plugins, Claude Code files, auto-update), plus its codebase indexing and
+    # session ingest (uploads), off.
+    config = {
+        "$schema": "https://app.kilo.ai/config.json",
+        "provider": {"lachesis": {
+            "npm": "@ai-sdk/openai-compatible", "name": "Lachesis",
+            "options": {"baseURL": rollout.base_url, "apiKey": "{env:OPENAI_API_KEY}"},
+            "models": {rollout.model: {"name": rollout.model, "limit": {
+                "context": rollout.context_window, "output": rollout.max_output_tokens}}}}},
+        "model": f"lachesis/{rollout.model}", "small_model": f"lachesis/{rollout.model}",
+        "agent": {"title": {"disable": True}}, "autoupdate": False, "share": "disabled",
+        "permission": {"*": "allow"}}
+    env = {**_common(rollout), "KILO_CONFIG_CONTENT": json.dumps(config),
+           "KILO_DISABLE_AUTOUPDATE": "1", "KILO_DISABLE_MODELS_FETCH": "1",
+           "KILO_DISABLE_LSP_DOWNLOAD": "1", "KILO_DISABLE_SHARE": "1",
+           "KILO_DISABLE_DEFAULT_PLUGINS": "1", "KILO_DISABLE_CLAUDE_CODE": "1",
+           "KILO_DISABLE_CODEBASE_INDEXING": "1", "KILO_DISABLE_SESSION_INGEST": "1",
+           "KILO_DISABLE_PRESENCE": "1"}
+    if not rollout.compaction:
+        env.update({"KILO_DISABLE_AUTOCOMPACT": "1", "KILO_DISABLE_PRUNE": "1"})
+    argv = [harness.program(rollout), "run", "--pure", "--auto", "-m",
+            f"lachesis/{rollout.model}"]
+    return Launch(argv, env, stdin=rollout.task)
+
+
 def _toml(value: object) -> str:
     return json.dumps(value)  # a JSON string or number is a TOML one
 
@@ -532,6 +568,12 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "0.85 of KIMI_MODEL_MAX_CONTEXT_SIZE (no switch): told of a 10^9-token "
                   "window; KIMI_CODE_NO_AUTO_UPDATE; NODE_OPTIONS=--disable-wasm-trap-"
                   "handler (as Qwen Code)"),
+    Harness("kilo", "npm", "@kilocode/cli", "7.7.7", "chat", _kilo_entry(),
+            min_memory_mb=4096, memory_mb=6144, launcher=_kilo,
+            notes="7.7.7, not 7.8.1: 7.8.1 lists no platform packages on npm; an OpenCode "
+                  "fork (KILO_* for OPENCODE_*): title agent, auto-compaction and pruning "
+                  "off; models fetch, LSP downloads, default plugins, codebase indexing, "
+                  "session ingest, auto-update off"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
