@@ -73,6 +73,10 @@ FIRST_REQUEST = {"openai-agents": "openai-agents-responses",
                  "openai-agents-chat": "openai-agents-chat"}
 """The fixture directory of a row's first request (others: the row's own name)."""
 MAX_TOKENS_PER_TURN = 256
+SEGMENTS = {"openclaw": 2}
+"""Segments of a row's two-turn episode where not one: OpenClaw re-sends its runtime
+context (a user message) at the end of every request, so its second request does not
+extend the first (tests/fixtures/harness_requests/openclaw)."""
 
 
 def model_context(model: str) -> int:

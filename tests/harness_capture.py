@@ -51,7 +51,7 @@ from aiohttp import web
 PREFIX = "/rollout/capture"
 COMMAND = "echo 42 > answer.txt"
 SHELL_NAMES = ("bash", "Bash", "shell", "exec_command", "run_shell_command", "shell_command",
-               "execute_bash", "terminal", "run_command")
+               "execute_bash", "terminal", "run_command", "exec")
 SECRET_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
                   "anthropic-api-key", "openai-api-key", "x-goog-api-key"}
 MODEL = "tiny"

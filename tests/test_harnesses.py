@@ -47,7 +47,7 @@ LAUNCHER = REPO / "environments" / "blackbox" / "agents" / "launch.py"
 def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
     assert set(HARNESSES) == {"pi", "codex", "claude-code", "opencode", "mini-swe-agent",
                               "openai-agents", "gemini-cli", "hermes", "qwen-code",
-                              "kimi-code", "kilo"}
+                              "kimi-code", "kilo", "openclaw"}
     for harness in HARNESSES.values():
         assert harness.version[0].isdigit() and harness.min_memory_mb <= harness.memory_mb
         launch = harness.launch(SPEC)
@@ -175,15 +175,18 @@ def test_harness_compaction_stays_off_unless_asked_for_then_is_sized_to_the_wind
             "qwen-code": json.loads(launch["qwen-code"].files[".qwen/settings.json"])[
                 "model"]["generationConfig"]["contextWindowSize"],
             "kimi-code": int(launch["kimi-code"].env["KIMI_MODEL_MAX_CONTEXT_SIZE"]),
-            "kilo": "KILO_DISABLE_AUTOCOMPACT" not in launch["kilo"].env}
+            "kilo": "KILO_DISABLE_AUTOCOMPACT" not in launch["kilo"].env,
+            "openclaw": json.loads(launch["openclaw"].files[".openclaw/lachesis.json"])[
+                "agents"]["defaults"]["compaction"]["enabled"]}
 
     assert compaction(SPEC) == {"pi": False, "opencode": False, "codex": 10**9,
                                 "claude-code": False, "gemini-cli": 1048576, "hermes": False,
-                                "qwen-code": 10**9, "kimi-code": 10**9, "kilo": False}
+                                "qwen-code": 10**9, "kimi-code": 10**9, "kilo": False,
+                                "openclaw": False}
     assert compaction(dataclasses.replace(SPEC, compaction=True)) == {
         "pi": True, "opencode": True, "codex": 8192, "claude-code": True,
         "gemini-cli": 4096, "hermes": True, "qwen-code": 8192, "kimi-code": 8192,
-        "kilo": True}
+        "kilo": True, "openclaw": True}
 
 
 def test_the_python_harnesses_run_their_own_python_without_our_packages():

