@@ -73,6 +73,9 @@ FIRST_REQUEST = {"openai-agents": "openai-agents-responses",
                  "openai-agents-chat": "openai-agents-chat"}
 """The fixture directory of a row's first request (others: the row's own name)."""
 MAX_TOKENS_PER_TURN = 256
+EPISODE = {"aider": (1, 0)}
+"""(turns, tool results) of a row's scripted episode where not (2, 1): Aider makes no
+tool calls; its one reply writes answer.txt in its edit format, then it exits."""
 SEGMENTS = {"openclaw": 2}
 """Segments of a row's two-turn episode where not one: OpenClaw re-sends its runtime
 context (a user message) at the end of every request, so its second request does not

@@ -272,6 +272,23 @@ def test_each_harness_request_as_captured_parses_renders_and_extends(harness):
     assert results[0].rendered.get("tool_call_id") == call.get("id")
 
 
+def test_aiders_request_without_tools_parses_and_renders_and_its_script_is_a_file_listing():
+    """Aider (tests/fixtures/harness_requests/aider) sends no tools: it edits files through
+    its reply's text (the whole edit format), so its scripted episode is one reply, the
+    listing of answer.txt, in the format its request asks for."""
+    from environments.envs.answer_file import script_for
+    from environments.inference.chat_template import ChatRenderer
+    from lachesis.tiny_model import build_tokenizer
+
+    [(_, dialect, body)] = captured("aider")
+    turn = dialect.parse(json.dumps(body).encode(), InterceptedRollout("r", "t", None))
+    assert dialect.name == "chat" and not turn.tools and "tools" not in body
+    renderer = ChatRenderer(build_tokenizer("qwen2"))
+    assert renderer.prompt_ids([m.rendered for m in turn.messages], turn.tools)
+    assert "*file listing*" in turn.messages[-1].rendered["content"]
+    assert script_for("aider", 42) == ["answer.txt\n```\n42\n```"]
+
+
 def test_mutated_harness_requests_are_parsed_or_refused_naming_a_field_never_crash():
     """Each captured request with one value swapped for a value of another type (every
     path of its body, a few swaps each): the dialect reads it or refuses it with a

@@ -47,7 +47,7 @@ LAUNCHER = REPO / "environments" / "blackbox" / "agents" / "launch.py"
 def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
     assert set(HARNESSES) == {"pi", "codex", "claude-code", "opencode", "mini-swe-agent",
                               "openai-agents", "gemini-cli", "hermes", "qwen-code",
-                              "kimi-code", "kilo", "openclaw"}
+                              "kimi-code", "kilo", "openclaw", "aider"}
     for harness in HARNESSES.values():
         assert harness.version[0].isdigit() and harness.min_memory_mb <= harness.memory_mb
         launch = harness.launch(SPEC)
@@ -213,7 +213,7 @@ def test_a_harness_raises_the_memory_and_context_defaults_and_refuses_less_memor
     with pytest.raises(ValueError, match="agent: claude-code needs sandbox_memory_mb of 3072"):
         BlackBoxEnvConfig(agent="claude-code", sandbox_memory_mb=2048)
     with pytest.raises(ValueError):
-        BlackBoxEnvConfig(agent="aider")
+        BlackBoxEnvConfig(agent="goose")
 
 
 class HarnessEnv(BlackBoxEnvMixin, BaseEnv):

@@ -89,7 +89,7 @@ TAIL_CHARS = 500
 
 AgentName = Literal["command", "pi", "codex", "claude-code", "opencode", "mini-swe-agent",
                     "openai-agents", "gemini-cli", "hermes", "qwen-code",
-                    "kimi-code", "kilo", "openclaw"]
+                    "kimi-code", "kilo", "openclaw", "aider"]
 
 
 class AgentError(RuntimeError):

@@ -165,6 +165,9 @@ class Harness:
     sends: tests/fixtures/harness_requests)."""
     submit_command: str | None = None
     """The command that ends an episode, for a harness that ends only on one."""
+    text_edit: str | None = None
+    """For a harness that makes no tool calls and edits files through its replies' text
+    (Aider): the reply that writes ``{content}`` to ``{path}`` (its edit format)."""
 
     @property
     def spec(self) -> str:
@@ -500,6 +503,32 @@ def _openclaw(harness: Harness, rollout: RolloutSpec) -> Launch:
     return Launch(argv, env, {".openclaw/lachesis.json": _json(config)})
 
 
+def _aider(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # One message (--message), then it exits. It makes no tool calls: it edits files
+    # through its replies' text, in the "whole" edit format (each changed file's name,
+    # then its whole content fenced). litellm's openai/ provider; the model's window from
+    # a metadata file (else it fetches litellm's price list from GitHub at start). Its
+    # history summary by a "weak model" only runs once the chat history passes its limit
+    # (not within one message); lint, test, git, repo map, update and release checks,
+    # analytics: off.
+    model = f"openai/{rollout.model}"
+    metadata = {model: {"max_input_tokens": rollout.context_window,
+                        "max_output_tokens": rollout.max_output_tokens,
+                        "max_tokens": rollout.max_output_tokens,
+                        "input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
+                        "litellm_provider": "openai", "mode": "chat"}}
+    env = {**_common(rollout), "OPENAI_API_BASE": rollout.base_url,
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    argv = [harness.program(rollout), "-m", "aider", "--model", model, "--weak-model", model,
+            "--edit-format", "whole", "--model-metadata-file",
+            f"{rollout.home}/.aider.model.metadata.json", "--yes-always", "--no-stream",
+            "--no-git", "--map-tokens", "0", "--no-auto-lint", "--no-auto-test",
+            "--no-check-update", "--no-show-release-notes", "--no-analytics",
+            "--no-show-model-warnings", "--no-pretty", "--no-fancy-input",
+            "--message", rollout.task]
+    return Launch(argv, env, {".aider.model.metadata.json": _json(metadata)})
+
+
 def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
     env = {**_common(rollout), "MSWEA_CONFIGURED": "true",
            "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
@@ -624,6 +653,14 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
             notes="litellm retries a 4xx 10 times with backoff: "
                   "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1; a reply without a tool call is "
                   "a format error left out of the next request's history (a new segment)"),
+    Harness("aider", "pypi", "aider-chat", "0.86.2", "chat", "bin/python",
+            min_memory_mb=1024, memory_mb=2048, launcher=_aider,
+            text_edit="{path}\n```\n{content}\n```",
+            notes="no tool calls: it edits files through its replies' text (the whole "
+                  "edit format), one --message then exits; its model's window from a "
+                  "metadata file (no price-list fetch from GitHub); lint, test, git, repo "
+                  "map, update check, analytics off; the weak model's history summary "
+                  "does not run within one message"),
     Harness("hermes", "pypi", "hermes-agent", "0.19.0", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_hermes,
             pip_requirements=("anthropic==0.87.0",), shell_tool=("terminal", "command"),
