@@ -101,10 +101,16 @@ def test_kimi_code_compacting_as_shipped_starts_a_segment_each_trained_with_the_
     # the summary, its instruction a user message before it); the request after it sent
     # a history that does not extend the recorded one: segment 1, rendered afresh
     assert spans[1][1] <= start < spans[2][0]
-    text = json.dumps([m.model_dump() for m in t.messages])
-    assert "handoff summary" in text and SUMMARY in text
+    from transformers import AutoTokenizer
+
+    decode = AutoTokenizer.from_pretrained(str(model)).decode
+    assert "handoff summary" in decode(t.tokens[spans[0][1]:spans[1][0]])  # its request
+    assert decode(t.tokens[slice(*spans[1])]).startswith(SUMMARY)  # the policy wrote it
+    assert SUMMARY in decode(t.tokens[start:spans[2][0]])  # the history it went on from
+    assert "handoff summary" not in decode(t.tokens[start:spans[2][0]])
     reasons = [s["reason"] for s in t.metadata["segments"]]
     assert reasons[0] is None and reasons[1], reasons
+    print("segments:", t.metadata["segments"], "turn spans:", spans)
 
     # each segment trains as its own row, with the rollout's (group-normalised)
     # advantage: beside a sibling rollout that failed, +A on every trained token of both
