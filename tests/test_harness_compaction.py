@@ -122,8 +122,10 @@ def test_kimi_code_compacting_as_shipped_starts_a_segment_each_trained_with_the_
     [a] = set(np.round(advantage[trained], 6).tolist())
     assert a > 0
     config = TrainConfig(model=str(model), estimator="grpo")
-    tensors, stats = batch_tensors(Batch([pair]), config, vocab_size=8192, pad_id=0)
-    assert stats["rows"] == 4  # two segments each
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    batch = Batch([pair])
+    tensors, stats = batch_tensors(batch, config, vocab_size=vocab, pad_id=0)
+    assert stats["rows"] == 4, (stats, batch.rejected)  # two segments each
     bounds = [0, start, len(t.tokens)]
     for row_index, sign in ((0, 1), (1, 1), (2, -1), (3, -1)):
         segment = row_index % 2
