@@ -156,6 +156,36 @@ def test_hermes_has_its_provider_in_config_yaml_and_no_extra_model_calls():
     assert launch.argv[1:] == ["-m", "hermes_cli.main", "-z", SPEC.task]
 
 
+def test_openclaw_installs_without_npm_scripts_then_runs_its_postinstall_on_its_own_node():
+    """OpenClaw's preinstall refuses the host's Node 20: npm runs no install scripts, then
+    its postinstall runs on the Node 24 installed with it (the install is read-only in
+    the sandbox, where it could not finish it)."""
+    harness = HARNESSES["openclaw"]
+    npm, postinstall = install_commands(harness, Path("/x"))
+    assert npm[:2] == ["npm", "install"] and "--ignore-scripts" in npm
+    assert npm[-2:] == ["openclaw@2026.9.6", f"{node_package()}@24.22.3"]
+    assert postinstall == [f"/x/node_modules/{node_package()}/bin/node",
+                           "/x/node_modules/openclaw/scripts/postinstall-bundled-plugins.mjs"]
+    launch = harness.launch(SPEC)
+    assert launch.argv[2:5] == ["agent", "exec", "--config"]
+    config = json.loads(launch.files[".openclaw/lachesis.json"])
+    assert config["models"]["providers"]["lachesis"]["baseUrl"] == SPEC.base_url
+    assert config["agents"]["defaults"]["compaction"] == {"enabled": False,
+                                                          "memoryFlush": {"enabled": False}}
+
+
+def test_aider_gets_its_model_window_from_a_file_and_no_tool_calls_are_scripted():
+    from environments.envs.answer_file import script_for
+
+    launch = HARNESSES["aider"].launch(SPEC)
+    assert launch.argv[1:3] == ["-m", "aider"] and launch.argv[-2:] == ["--message", SPEC.task]
+    metadata = json.loads(launch.files[".aider.model.metadata.json"])
+    assert metadata["openai/tiny"]["max_input_tokens"] == SPEC.context_window
+    assert launch.env["OPENAI_API_BASE"] == SPEC.base_url
+    assert script_for("aider", 7) == ["answer.txt\n```\n7\n```"]
+    assert len(script_for("kilo", 7)) == 2  # a tool call, then the answer
+
+
 def test_harness_compaction_stays_off_unless_asked_for_then_is_sized_to_the_window():
     import dataclasses
 
