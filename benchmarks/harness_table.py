@@ -1,9 +1,9 @@
 """The harness table: each catalog harness, installed as shipped, run end to end through
 the interception proxy on vLLM, its groups checked and trained on.
 
-For each harness (``--harness``, default all ten, and the variants: openai-agents a
+For each harness (``--harness``, default all eleven, and the variants: openai-agents a
 second time in its Chat Completions mode, Hermes Agent in its Responses and Anthropic
-Messages modes, Kimi Code in its Responses mode: fourteen rows): ``lachesis env process answer_file`` with ``agent:
+Messages modes, Kimi Code in its Responses mode: fifteen rows): ``lachesis env process answer_file`` with ``agent:
 NAME`` and ``script: true`` (one group of ``--group-size`` rollouts in bwrap
 sandboxes): the harness starts as shipped, its model calls reach the proxy in its own
 wire API, the proxy forces a two-turn episode (a call of the harness's shell tool writing
@@ -73,6 +73,13 @@ FIRST_REQUEST = {"openai-agents": "openai-agents-responses",
                  "openai-agents-chat": "openai-agents-chat"}
 """The fixture directory of a row's first request (others: the row's own name)."""
 MAX_TOKENS_PER_TURN = 256
+EPISODE = {"aider": (1, 0)}
+"""(turns, tool results) of a row's scripted episode where not (2, 1): Aider makes no
+tool calls; its one reply writes answer.txt in its edit format, then it exits."""
+SEGMENTS = {"openclaw": 2}
+"""Segments of a row's two-turn episode where not one: OpenClaw re-sends its runtime
+context (a user message) at the end of every request, so its second request does not
+extend the first (tests/fixtures/harness_requests/openclaw)."""
 
 
 def model_context(model: str) -> int:

