@@ -53,7 +53,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import yaml  # noqa: E402
 
-from environments.blackbox.harnesses import HARNESSES, install  # noqa: E402
+from environments.blackbox.harness_cache import install  # noqa: E402
+from environments.blackbox.harnesses import HARNESSES  # noqa: E402
 from environments.jsonl_store import read_groups  # noqa: E402
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "harness_requests"

@@ -654,7 +654,8 @@ def _add_harness(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_harness_list(args: argparse.Namespace) -> int:
-    from environments.blackbox.harnesses import HARNESSES, cache_root, installed
+    from environments.blackbox.harness_cache import cache_root, installed
+    from environments.blackbox.harnesses import HARNESSES
 
     print(f"cache: {cache_root()}")
     rows = [("name", "package", "version", "wire API", "memory MB", "installed")]
@@ -669,7 +670,8 @@ def _run_harness_list(args: argparse.Namespace) -> int:
 
 
 def _run_harness_install(args: argparse.Namespace) -> int:
-    from environments.blackbox.harnesses import HARNESSES, HarnessError, get, install
+    from environments.blackbox.harness_cache import install
+    from environments.blackbox.harnesses import HARNESSES, HarnessError, get
 
     names = list(HARNESSES) if args.name == ["all"] else args.name
     try:

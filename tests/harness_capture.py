@@ -474,8 +474,9 @@ async def run_in_sandbox(name: str, out: Path, backend: str = "bwrap",
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's code
     from environments.blackbox.agents.runtime import LAUNCHER, MOUNT, build_runtime
+    from environments.blackbox.harness_cache import install
     from environments.blackbox.harnesses import (
-        HARNESS_MOUNT, HOME_SEED, SANDBOX_HOME, RolloutSpec, get, install, write_seed)
+        HARNESS_MOUNT, HOME_SEED, SANDBOX_HOME, RolloutSpec, get, write_seed)
     from environments.sandbox import SandboxConfig, create_sandbox
 
     harness = get(name)

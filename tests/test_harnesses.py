@@ -22,6 +22,7 @@ from environments import BaseEnv
 from environments.blackbox import BlackBoxEnvConfig, BlackBoxEnvMixin
 from environments.blackbox.agents.runtime import MOUNT
 from environments.blackbox.env import AgentError
+from environments.blackbox.harness_cache import cache_root, install, install_commands, installed
 from environments.blackbox.harnesses import (
     HARNESS_MOUNT,
     HARNESSES,
@@ -30,10 +31,6 @@ from environments.blackbox.harnesses import (
     SANDBOX_HOME,
     HarnessError,
     RolloutSpec,
-    cache_root,
-    install,
-    install_commands,
-    installed,
     node_package,
 )
 from environments.sandbox import ExecResult

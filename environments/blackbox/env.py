@@ -57,6 +57,7 @@ from environments.blackbox.agents.runtime import (
     check_sandbox_python,
     runtime_env,
 )
+from environments.blackbox.harness_cache import check_reachable, install, install_hint
 from environments.blackbox.harnesses import (
     HARNESS_MOUNT,
     HARNESSES,
@@ -65,9 +66,6 @@ from environments.blackbox.harnesses import (
     Harness,
     HarnessError,
     RolloutSpec,
-    check_reachable,
-    install,
-    install_hint,
     write_seed,
 )
 from environments.framework.sandbox_tools import SandboxEnvConfig, SandboxEnvMixin
