@@ -198,7 +198,7 @@ def evaluate_warm_start(runs_dir: Path, results: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     found: dict[str, Any] = {"warm_start_sha256": digest, "band": list(BAND)}
     began = time.monotonic()
-    with VLLMProcess(model, max_model_len=2048, log_path=out / "vllm.log") as server:
+    with VLLMProcess(model, max_model_len=4096, log_path=out / "vllm.log") as server:
         for horizon in HORIZONS:
             path = out / f"{horizon}.jsonl"
             path.unlink(missing_ok=True)
