@@ -12,13 +12,13 @@ Cells, in order (``CELLS``); each is finished once its ``summary.json`` is under
 appends a line to ``RESULTS/manifest.jsonl`` (commit, dirty tree, the packages' hash with
 the list under ``packages/``, the full config, seconds, outcome; ``confirmatory.attempt``):
 
-1. ``warm-start``: an SFT of SmolLM2-135M-Instruct (the packaged model) on
-   ``DEMONSTRATIONS`` demonstrations, half one-hop and half two-hop training items (the
+1. ``warm-start/NAME``: an SFT of SmolLM2-135M-Instruct (the packaged model) on
+   demonstrations (``WARM_STARTS[NAME]``), half one-hop and half two-hop training items (the
    env's ``oracle_messages``), of which the share ``DIRECT_FRACTION``
    (``oracle_direct_fraction``) answer at once without a search: the warm start keeps
    "not invoking the tool" among its habits. The weights stay under ``--runs-dir`` (538 MB,
    not tracked); their sha256 is kept.
-2. ``warm-start-eval``: the warm start plays every held-out item of each horizon once at
+2. ``warm-start-eval/NAME``: the warm start plays every held-out item of each horizon once at
    temperature 1 (as RL samples), on a vLLM of its own: tool-call rate (with a 95 % Wilson
    interval) against ``BAND``, exact match, and the other rates of
    ``wiki_search_probe.probe``.
@@ -62,14 +62,22 @@ from lachesis.run.supervisor import Supervisor, run_quietly  # noqa: E402
 RESULTS = REPO / "experiments" / "results" / "wiki-search-pilot"
 MODEL = "smollm2-135m-instruct"
 HORIZONS = ("one_hop", "two_hop")
-DEMONSTRATIONS = 192  # 96 of each horizon
 DIRECT_FRACTION = 0.3
 BAND = (0.3, 0.9)
 """The warm start's held-out tool-call rate (temperature 1, each horizon) must lie in this
 band: at least 3 in 10 episodes call the tool, so that RL has the tool route to reinforce,
 and at least 1 in 10 do not, so that "not invoking the tool" can still happen."""
-SFT = {"steps": 24, "batch_size": 8, "micro_batch_size": 8, "lr": 8.0e-5, "warmup_steps": 3,
-       "max_token_length": 2048, "dtype": "auto", "tensorboard": False, "seed": 1}
+_SFT = {"batch_size": 8, "micro_batch_size": 8, "lr": 8.0e-5, "max_token_length": 2048,
+        "dtype": "auto", "tensorboard": False, "seed": 1}
+WARM_STARTS = {
+    # the first try: its held-out tool-call rate fell under the band (the policy wrote
+    # {"name": NAME, ...}, the system prompt's placeholder, in many calls)
+    "sft24": {"demonstrations": 192, "train": {**_SFT, "steps": 24, "warmup_steps": 3}},
+    "sft64": {"demonstrations": 512, "train": {**_SFT, "steps": 64, "warmup_steps": 4}},
+}
+"""SFTs (demonstrations: half of each horizon; the SFT trainer's settings)."""
+WARM_START = "sft64"
+"""The warm start the RL cells start from."""
 STEPS = 8
 LR = 4.0e-5  # configs/smollm2.yaml's RL rate for this model
 MAX_BATCH_WAIT_S = 300
@@ -79,7 +87,7 @@ ARMS = {
     "mt_grpo": ({"estimator": "mt_grpo"}, {}),
     "mt_grpo_unbiased": ({"estimator": "mt_grpo_unbiased"}, {}),
 }
-CELLS = ["warm-start", "warm-start-eval",
+CELLS = [f"warm-start/{WARM_START}", f"warm-start-eval/{WARM_START}",
          "rl/one_hop/grpo-seed1", "rl/two_hop/grpo-seed1",
          "rl/one_hop/grpo-seed2", "rl/two_hop/grpo-seed2"]
 """The pilot's cells in the order they run; ``--cell`` runs another (e.g.
@@ -94,12 +102,11 @@ def env_settings(horizon: str, **more: Any) -> dict[str, Any]:
             "eval_items": 64, "max_queued_groups": 4, **more}
 
 
-def warm_start_config(runs_dir: Path) -> RunConfig:
+def warm_start_config(runs_dir: Path, name: str) -> RunConfig:
     return RunConfig.model_validate({
-        "name": "warm-start", "runs_dir": str(runs_dir), "model": MODEL,
-        "warm_start": {"env": "wiki_search", "demonstrations": DEMONSTRATIONS,
-                       "settings": {"seed": 1, "oracle_direct_fraction": DIRECT_FRACTION},
-                       "train": SFT},
+        "name": f"warm-start-{name}", "runs_dir": str(runs_dir), "model": MODEL,
+        "warm_start": {"env": "wiki_search", **WARM_STARTS[name],
+                       "settings": {"seed": 1, "oracle_direct_fraction": DIRECT_FRACTION}},
         "vllm": {"max_model_len": 2048, "kv_cache_gib": 1, "dtype": "auto"},
         "envs": [{"name": "wiki_search", "settings": env_settings("one_hop")}],
         "train": {"steps": 1}})
@@ -137,12 +144,12 @@ class MixedWarmStart(Supervisor):
         return path
 
 
-def warm_start_path(runs_dir: Path) -> Path:
-    return runs_dir / "warm-start" / "warm_start" / "final"
+def warm_start_path(runs_dir: Path, name: str) -> Path:
+    return runs_dir / f"warm-start-{name}" / "warm_start" / "final"
 
 
-def run_warm_start(runs_dir: Path) -> dict[str, Any]:
-    config = warm_start_config(runs_dir)
+def run_warm_start(runs_dir: Path, name: str) -> dict[str, Any]:
+    config = warm_start_config(runs_dir, name)
     config.check_sections()
     if config.run_dir.exists():
         shutil.rmtree(config.run_dir)
@@ -163,15 +170,16 @@ def run_warm_start(runs_dir: Path) -> dict[str, Any]:
                            if k in r} for r in losses]}
 
 
-def the_warm_start(runs_dir: Path, results: Path) -> tuple[str, str]:
+def the_warm_start(runs_dir: Path, results: Path, name: str) -> tuple[str, str]:
     """The warm start's weights and hash, checked against the kept summary's."""
-    recorded = json.loads((results / "warm-start" / "summary.json").read_text())["sha256"]
-    model = warm_start_path(runs_dir)
+    kept = results / "warm-start" / name
+    recorded = json.loads((kept / "summary.json").read_text())["sha256"]
+    model = warm_start_path(runs_dir, name)
     digest = cf.weights_hash(str(model)) if model.exists() else None
     if digest != recorded:
         raise SystemExit(f"the warm start under {model} has hash {digest} (recorded "
                          f"{recorded[:12]}): run the warm-start cell again "
-                         f"(remove {results / 'warm-start'})")
+                         f"(remove {kept})")
     return str(model), digest
 
 
@@ -190,11 +198,20 @@ def rates(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def evaluate_warm_start(runs_dir: Path, results: Path) -> dict[str, Any]:
+def attempt_rate(path: Path) -> float:
+    """The share of an evaluation's episodes with a ``<tool_call>`` written in a reply,
+    well-formed or not (``tool_call_rate`` counts the calls that parsed)."""
+    groups = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    episodes = [t for g in groups for t in g["trajectories"]]
+    return round(sum(any("<tool_call>" in m["content"] for m in t.get("messages") or []
+                         if m["role"] == "assistant") for t in episodes) / len(episodes), 4)
+
+
+def evaluate_warm_start(runs_dir: Path, results: Path, name: str) -> dict[str, Any]:
     from environments.inference.vllm_process import VLLMProcess
 
-    model, digest = the_warm_start(runs_dir, results)
-    out = runs_dir / "warm-start-eval"
+    model, digest = the_warm_start(runs_dir, results, name)
+    out = runs_dir / f"warm-start-eval-{name}"
     out.mkdir(parents=True, exist_ok=True)
     found: dict[str, Any] = {"warm_start_sha256": digest, "band": list(BAND)}
     began = time.monotonic()
@@ -203,7 +220,8 @@ def evaluate_warm_start(runs_dir: Path, results: Path) -> dict[str, Any]:
             path = out / f"{horizon}.jsonl"
             path.unlink(missing_ok=True)
             probe = asyncio.run(wsp.probe(server.url, model, horizon, 1.0, 64, 64, path, None))
-            found[horizon] = {**probe, **rates(wsp.episodes(path))}
+            found[horizon] = {**probe, **rates(wsp.episodes(path)),
+                              "call_attempt_rate": attempt_rate(path)}
             low, high = found[horizon]["tool_call_rate_ci95"]
             found[horizon]["in_band"] = BAND[0] <= found[horizon]["tool_call_rate"] <= BAND[1]
             found[horizon]["interval_in_band"] = BAND[0] <= low and high <= BAND[1]
@@ -247,7 +265,8 @@ def keep_rl(run_dir: Path, kept: Path, summary: dict[str, Any]) -> None:
     for label in ("before", "after"):
         path = run_dir / "eval" / f"{label}-wiki_search.jsonl"
         if path.exists():
-            summary[f"{label}_rates"] = rates(wsp.episodes(path))
+            summary[f"{label}_rates"] = {**rates(wsp.episodes(path)),
+                                         "call_attempt_rate": attempt_rate(path)}
     done = kept / "summary.json"
     done.with_suffix(".tmp").write_text(json.dumps(summary, indent=2, default=str))
     done.with_suffix(".tmp").rename(done)
@@ -279,14 +298,15 @@ def keep_json(kept: Path, value: dict[str, Any]) -> None:
 def run_cell(args: argparse.Namespace, cell: str) -> str:
     results = args.results
     entry = entry_for(results, cell)
-    if cell == "warm-start":
-        entry["config"] = warm_start_config(args.runs_dir).model_dump(mode="json")
+    stage, _, name = cell.partition("/")
+    if stage == "warm-start":
+        entry["config"] = warm_start_config(args.runs_dir, name).model_dump(mode="json")
         return cf.attempt(results, entry, lambda: _locked(args, lambda: run_warm_start(
-            args.runs_dir)), lambda found: keep_json(results / cell, found))
-    if cell == "warm-start-eval":
+            args.runs_dir, name)), lambda found: keep_json(results / cell, found))
+    if stage == "warm-start-eval":
         return cf.attempt(results, entry, lambda: _locked(args, lambda: evaluate_warm_start(
-            args.runs_dir, results)), lambda found: keep_json(results / cell, found))
-    model, digest = the_warm_start(args.runs_dir, results)
+            args.runs_dir, results, name)), lambda found: keep_json(results / cell, found))
+    model, digest = the_warm_start(args.runs_dir, results, WARM_START)
     horizon, _, _ = parse_cell(cell)
     first = not any(finished(results, c) for c in args.cells
                     if c.startswith(f"rl/{horizon}/"))
@@ -305,19 +325,21 @@ def _locked(args: argparse.Namespace, work: Any) -> Any:
 
 def report(results: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if finished(results, "warm-start"):
-        ws = json.loads((results / "warm-start" / "summary.json").read_text())
-        out["warm_start"] = {k: ws[k] for k in ("sha256", "seconds", "demonstrator")}
-        steps = ws.get("sft_steps", [])
-        if steps:
-            out["warm_start"]["sft_first_last_loss"] = [steps[0].get("loss"),
-                                                        steps[-1].get("loss")]
-    if finished(results, "warm-start-eval"):
-        found = json.loads((results / "warm-start-eval" / "summary.json").read_text())
-        out["warm_start_eval"] = {h: {k: found[h][k] for k in (
-            "episodes", "tool_call_rate", "tool_call_rate_ci95", "tool_success",
-            "exact_match", "exact_match_ci95", "direct_answer", "answer_in_result",
-            "mean_turns", "in_band")} for h in HORIZONS if h in found}
+    for name in WARM_STARTS:
+        if finished(results, f"warm-start/{name}"):
+            ws = json.loads((results / "warm-start" / name / "summary.json").read_text())
+            row = out.setdefault("warm_starts", {}).setdefault(name, {})
+            row.update({k: ws[k] for k in ("sha256", "seconds", "demonstrator")})
+            steps = ws.get("sft_steps", [])
+            if steps:
+                row["sft_first_last_loss"] = [steps[0].get("loss"), steps[-1].get("loss")]
+        if finished(results, f"warm-start-eval/{name}"):
+            found = json.loads((results / "warm-start-eval" / name / "summary.json").read_text())
+            out["warm_starts"][name]["eval"] = {h: {k: found[h][k] for k in (
+                "episodes", "tool_call_rate", "tool_call_rate_ci95", "tool_success",
+                "exact_match", "exact_match_ci95", "direct_answer", "answer_in_result",
+                "mean_turns", "call_attempt_rate", "in_band") if k in found[h]}
+                for h in HORIZONS if h in found}
     for horizon in HORIZONS:
         cells = sorted(p.parent for p in (results / "rl" / horizon).glob("*/summary.json"))
         rows = {}
