@@ -24,7 +24,7 @@ the list under ``packages/``, the full config, seconds, outcome; ``confirmatory.
    ``wiki_search_probe.probe``.
 3. ``rl/HORIZON/ARM-seedS``: ``lachesis run`` of the RL phase from the warm start
    (``rl_config``: groups of 8, 2 groups a step, ``STEPS`` steps, lr ``LR``), held-out
-   evaluation after (and before, for the horizon's first cell) at temperature 1 over every
+   evaluation after (not before: cell 2 measured the start) at temperature 1 over every
    held-out item. Kept: the summary, the trainer's per-step metrics, and per-episode rates
    of the evaluations.
 
@@ -307,10 +307,9 @@ def run_cell(args: argparse.Namespace, cell: str) -> str:
         return cf.attempt(results, entry, lambda: _locked(args, lambda: evaluate_warm_start(
             args.runs_dir, results, name)), lambda found: keep_json(results / cell, found))
     model, digest = the_warm_start(args.runs_dir, results, WARM_START)
-    horizon, _, _ = parse_cell(cell)
-    first = not any(finished(results, c) for c in args.cells
-                    if c.startswith(f"rl/{horizon}/"))
-    config = rl_config(args.runs_dir, model, cell, args.steps, args.lr, evaluate_before=first)
+    # the starting policy is measured by the warm-start-eval cell (the same items and
+    # temperature): no evaluation before RL
+    config = rl_config(args.runs_dir, model, cell, args.steps, args.lr, evaluate_before=False)
     entry.update(warm_start_sha256=digest, config=config.model_dump(mode="json"))
     return cf.attempt(results, entry, lambda: _locked(args, lambda: run_quietly(config)),
                       lambda summary: keep_rl(config.run_dir, results / cell, summary))
