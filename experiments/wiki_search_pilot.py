@@ -353,6 +353,16 @@ def report(results: Path) -> dict[str, Any]:
                    "trained_tokens_per_step": round(statistics.mean(
                        m["trained_tokens"] for m in metrics if "trained_tokens" in m), 0)
                    if any("trained_tokens" in m for m in metrics) else None,
+                   "row_tokens_per_step": round(statistics.mean(
+                       m["row_tokens"] for m in metrics if "row_tokens" in m), 0)
+                   if any("row_tokens" in m for m in metrics) else None,
+                   "generation_seconds_per_rollout": round(statistics.mean(
+                       m["env/time/generation"] for m in metrics
+                       if "env/time/generation" in m), 2)
+                   if any("env/time/generation" in m for m in metrics) else None,
+                   **{f"batch_{k}_per_step": [round(m[f"env/{k}"], 3) for m in metrics
+                                              if f"env/{k}" in m]
+                      for k in ("tool_calls", "exact_match")},
                    "reward_mean_per_step": [round(m["reward_mean"], 3) for m in metrics
                                             if "reward_mean" in m]}
             for label in ("before", "after"):
