@@ -228,17 +228,55 @@ def textworld(sds: list[float], runs: list[int], deltas: list[float]) -> None:
                   + " |")
 
 
+# --- study 4 (wiki_search, two horizons; the pilot of issue 76) --------------------------------
+
+WIKI_PILOT = Path(__file__).resolve().parent / "results" / "wiki-search-pilot"
+
+
+def wiki(sds: list[float], runs: list[int], deltas: list[float], strata: int) -> None:
+    """The wiki pilot's final held-out exact match per run and horizon (its report, from
+    ``wiki_search_pilot.py --report``), then the same normal model's power as study 3's
+    with ``strata`` warm starts."""
+    report = json.loads((WIKI_PILOT / "report.json").read_text())
+    for horizon in ("one_hop", "two_hop"):
+        rows = report.get(horizon, {}).get("runs", {})
+        finals = {name: row["after"]["exact_match"] for name, row in rows.items()
+                  if "after" in row}
+        sd = statistics.stdev(finals.values()) if len(finals) >= 2 else float("nan")
+        print(f"pilot, {horizon}: final exact match " + ", ".join(
+            f"{name} {v:.3f}" for name, v in finals.items()) + f"; sd {sd:.4f} "
+            f"({max(len(finals) - 1, 0)} df)")
+    alphas = [0.05, 0.05 / 8]
+    print(f"\nStratified permutation test, {strata} warm start(s), a normal model of the final "
+          "metric (400 simulated studies, 400 relabellings each): power at alpha 0.05 / at "
+          "the Holm worst case 0.05/8")
+    print("| sd | runs per arm and warm start | " + " | ".join(f"gap {d:+.2f}" for d in deltas)
+          + " |")
+    print("|---:|---:|" + "---|" * len(deltas))
+    for sd in sds:
+        for n in runs:
+            cells = [normal_power(sd, d, strata, n, alphas) for d in deltas]
+            print(f"| {sd:.3f} | {n} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells)
+                  + " |")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stress", action="store_true",
                         help="the stress study's power, from the confirmatory study's runs")
     parser.add_argument("--textworld", action="store_true",
                         help="study 3's power, from its pilot's spread")
+    parser.add_argument("--wiki", action="store_true",
+                        help="study 4's power, from the wiki_search pilot's spread")
+    parser.add_argument("--strata", type=int, default=2,
+                        help="--wiki: warm starts (strata of the permutation test)")
     parser.add_argument("--sd", type=float, nargs="+", default=[0.03, 0.05, 0.07])
     parser.add_argument("--runs", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--gaps", type=float, nargs="+", default=[0.04, 0.06, 0.08])
     args = parser.parse_args()
-    if args.textworld:
+    if args.wiki:
+        wiki(args.sd, args.runs, args.gaps, args.strata)
+    elif args.textworld:
         textworld(args.sd, args.runs, args.gaps)
     else:
         stress() if args.stress else main()

@@ -339,6 +339,34 @@ def test_few_shot_demonstrations_precede_the_question_and_are_not_scored(data_fi
     assert anchors[0] is not None and anchors[0] == anchors[1]
 
 
+def test_oracle_direct_fraction_answers_the_hashed_share_at_once(data_files):
+    """``oracle_direct_fraction``: the items whose crc32 of ``direct:ID`` (binascii's, not
+    zlib's) falls under the share answer at once, for the outcome's full score; the rest
+    search as before."""
+    import binascii
+
+    from environments.envs.wiki_search import answers_directly
+
+    ids = [f"wiki1-c{i}" for i in range(400)]
+    for fraction in (0.0, 0.3, 1.0):
+        chosen = [i for i in ids if answers_directly(i, fraction)]
+        assert chosen == [i for i in ids
+                          if binascii.crc32(b"direct:" + i.encode()) < fraction * 2**32]
+    assert 90 <= len([i for i in ids if answers_directly(i, 0.3)]) <= 150
+    from sandbox_fixtures import scripted
+
+    for fraction, searches in ((0.0, True), (1.0, False)):
+        env = env_for(data_files, horizon="two_hop", oracle_direct_fraction=fraction)
+        item = env.train_items[0]
+        demonstration = env.oracle_messages(item)
+        assert any(m["role"] == "tool" for m in demonstration) == searches
+        if not searches:
+            assert demonstration[:-1] == env.prompt_messages(item)
+            scripted(env, [demonstration[-1]["content"]])
+            rollout, scores = asyncio.run(env._rollout(item))
+            assert len(rollout.turns) == 1 and scores == pytest.approx([1.7])
+
+
 def test_registered_by_name():
     assert load_env_class("wiki_search") is WikiSearchEnv
 

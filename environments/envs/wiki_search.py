@@ -101,6 +101,11 @@ class WikiSearchConfig(EnvConfig):
     item's searches, their real results, the answer; MT-GRPO's ToolEnv has the same
     option): those of the first training items of this horizon in a fixed hashed order,
     never the item itself. 0: none, the paper's start."""
+    oracle_direct_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of the items whose demonstration (``oracle_messages``) answers at once, with no
+    search (chosen by a hash of the item id: the same items every time), so that a warm
+    start on them keeps "not invoking the tool" among its habits. 0: every demonstration
+    searches."""
     outcome_only: bool = False
     """Score only the outcome: one float per episode (the last turn's score), no turn
     rewards; the metrics are still reported."""
@@ -274,7 +279,12 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
 
     def oracle_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         """A demonstration (for SFT warm starts) in the format the loop produces: the
-        item's searches (``queries``), their results, then the answer."""
+        item's searches (``queries``), their results, then the answer; for the share
+        ``oracle_direct_fraction`` of the items (:func:`answers_directly`), the answer at
+        once."""
+        if answers_directly(item["id"], self.config.oracle_direct_fraction):
+            return [*self.prompt_messages(item),
+                    {"role": "assistant", "content": f"<answer>{item['answers'][0]}</answer>"}]
         return [*self.prompt_messages(item)[:-1], *self._demonstration(item)]
 
     def _demonstration(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -325,6 +335,12 @@ class WikiSearchEnv(TurnLevelRewardMixin, BaseEnv):
             metrics["bridge_in_result"] = float(any(mentions(r, item["country"])
                                                     for r in results))
         return metrics
+
+
+def answers_directly(item_id: str, fraction: float) -> bool:
+    """Whether the demonstrator answers item ``item_id`` without a search: a hash of the id
+    (crc32 of ``direct:ID``, as a share of 2**32) falls under ``fraction``."""
+    return zlib.crc32(f"direct:{item_id}".encode()) / 2**32 < fraction
 
 
 def _per_country(items: list[dict[str, Any]], cap: int) -> list[dict[str, Any]]:
