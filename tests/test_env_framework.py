@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,17 @@ def test_serve_spools_while_the_api_is_down_and_replays_when_it_is_back(vllm_ser
                          api_url=api.url, spool_path=spool)
 
     async def scenario():
+        # No group is handed over before the API is down (on an idle machine the env
+        # delivered all three between its registration and the kill, and nothing spooled)
+        api_down = asyncio.Event()
+        collect = env.collect_group
+
+        async def collect_group_once_the_api_is_down(item):
+            group = await collect(item)
+            await api_down.wait()
+            return group
+
+        env.collect_group = collect_group_once_the_api_is_down
         await env.start()
         try:
             # The env registers first, so the API must be up then; it goes down after.
@@ -278,7 +290,11 @@ def test_serve_spools_while_the_api_is_down_and_replays_when_it_is_back(vllm_ser
             while getattr(env, "env_id", None) is None:
                 await asyncio.sleep(0.1)
             api.kill()
+            api_down.set()
+            deadline = time.monotonic() + 120
             while not (spool.exists() and spool.stat().st_size > 0):
+                assert time.monotonic() < deadline, "nothing was spooled in 120 s"
+                assert not serving.done(), serving.result()
                 await asyncio.sleep(0.2)
             api.start()  # the API comes back (same database)
             result = await asyncio.wait_for(serving, 300)
