@@ -246,6 +246,16 @@ def wiki(sds: list[float], runs: list[int], deltas: list[float], strata: int) ->
         print(f"pilot, {horizon}: final exact match " + ", ".join(
             f"{name} {v:.3f}" for name, v in finals.items()) + f"; sd {sd:.4f} "
             f"({max(len(finals) - 1, 0)} df)")
+    second = report.get("second_pilot")
+    for arm, values in (second or {}).get("arms", {}).items():
+        print(f"second pilot, one_hop, {arm}: " + "; ".join(
+            f"final {metric} " + ", ".join(f"{v:.3f}" for v in values[metric]["values"])
+            + (f", sd {values[metric]['sd']:.4f} ({values[metric]['df']} df)"
+               if values[metric]["sd"] is not None else "") for metric in ("exact_match",
+                                                                        "tool_success")))
+    for metric, pooled in (second or {}).get("pooled_sd", {}).items():
+        print(f"second pilot: pooled sd of final {metric} {pooled['sd']:.4f} "
+              f"({pooled['df']} df)")
     alphas = [0.05, 0.05 / 8]
     print(f"\nStratified permutation test, {strata} warm start(s), a normal model of the final "
           "metric (400 simulated studies, 400 relabellings each): power at alpha 0.05 / at "

@@ -28,10 +28,20 @@ the list under ``packages/``, the full config, seconds, outcome; ``confirmatory.
    held-out item. Kept: the summary, the trainer's per-step metrics, and per-episode rates
    of the evaluations.
 
+The second pilot (``--pilot 2``, ``PILOT2``) measures the run-to-run spread before the
+registration: ``warm-start-rebuild/NAME`` makes the warm start's weights again where they
+are missing (its hash kept beside the first build's), then ``pilot2/one_hop/ARM-seedS``,
+GRPO-OR and MT-GRPO interleaved, seeds 3-5, ``PILOT2_STEPS`` steps, every held-out item
+evaluated ``EVAL_SAMPLES`` times (the env's ``eval_samples``; rates and intervals over
+items), the start measured by the first run of each arm.
+
+    python experiments/wiki_search_pilot.py --pilot 2 --one     # its next cell
+
 ``--report`` prints the pilot's numbers as JSON (and writes ``RESULTS/report.json``): per
 horizon, the seconds per RL step (the mean after the first step, which also waits for the
 first rollouts), the trained tokens per step, the evaluations before and after, and the
-final exact match and tool-call rate of each run.
+final exact match and tool-call rate of each run; under ``second_pilot``, each run's final
+metrics and, per arm, their run-to-run sd (also printed as a table).
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ import wiki_search_probe as wsp  # noqa: E402
 from stats import wilson  # noqa: E402
 from venv_pin import packages  # noqa: E402
 
+from environments.framework.evaluation import item_interval  # noqa: E402
 from lachesis.run.config import RunConfig  # noqa: E402
 from lachesis.run.supervisor import Supervisor, run_quietly  # noqa: E402
 
@@ -92,6 +103,18 @@ CELLS = [f"warm-start/{WARM_START}", f"warm-start-eval/{WARM_START}",
          "rl/one_hop/grpo-seed2", "rl/two_hop/grpo-seed2"]
 """The pilot's cells in the order they run; ``--cell`` runs another (e.g.
 ``rl/one_hop/mt_grpo-seed1``)."""
+PILOT2_STEPS = 32
+EVAL_SAMPLES = 4
+"""The second pilot's held-out evaluations play every item this many times."""
+PILOT2_ARMS = ("grpo", "mt_grpo")
+PILOT2_SEEDS = (3, 4, 5)
+PILOT2 = [f"warm-start-rebuild/{WARM_START}"] + [
+    f"pilot2/one_hop/{arm}-seed{seed}" for seed in PILOT2_SEEDS for arm in PILOT2_ARMS]
+"""The second pilot (``--pilot 2``): the run-to-run spread of the final metrics at one hop,
+GRPO-OR and MT-GRPO, 3 runs each of ``PILOT2_STEPS`` steps from the same warm start,
+interleaved (a partial pilot stays balanced); the first run of each arm also measures the
+start. Its first cell rebuilds the warm start's weights where they are missing."""
+PILOTS = {1: CELLS, 2: PILOT2}
 
 
 # --- the warm start --------------------------------------------------------------------------
@@ -170,27 +193,68 @@ def run_warm_start(runs_dir: Path, name: str) -> dict[str, Any]:
                            if k in r} for r in losses]}
 
 
+def recorded_hashes(results: Path, name: str) -> list[str]:
+    """The kept hashes of the warm start's weights: the first build's, then a rebuild's
+    (``warm-start-rebuild/NAME``) where one was kept."""
+    kept = [results / "warm-start" / name, results / "warm-start-rebuild" / name]
+    return [json.loads((k / "summary.json").read_text())["sha256"] for k in kept
+            if (k / "summary.json").exists()]
+
+
 def the_warm_start(runs_dir: Path, results: Path, name: str) -> tuple[str, str]:
-    """The warm start's weights and hash, checked against the kept summary's."""
-    kept = results / "warm-start" / name
-    recorded = json.loads((kept / "summary.json").read_text())["sha256"]
+    """The warm start's weights and hash, checked against the kept summaries'."""
+    recorded = recorded_hashes(results, name)
     model = warm_start_path(runs_dir, name)
     digest = cf.weights_hash(str(model)) if model.exists() else None
-    if digest != recorded:
+    if digest not in recorded:
         raise SystemExit(f"the warm start under {model} has hash {digest} (recorded "
-                         f"{recorded[:12]}): run the warm-start cell again "
-                         f"(remove {kept})")
+                         f"{', '.join(h[:12] for h in recorded)}): rebuild it with "
+                         f"--cell warm-start-rebuild/{name}")
     return str(model), digest
 
 
+def warm_start_ready(runs_dir: Path, results: Path, name: str) -> bool:
+    model = warm_start_path(runs_dir, name)
+    return model.exists() and cf.weights_hash(str(model)) in recorded_hashes(results, name)
+
+
+def rebuild_warm_start(runs_dir: Path, results: Path, name: str) -> dict[str, Any]:
+    """The warm start's SFT again (its weights live outside git): the same config, so the
+    same weights where the SFT is deterministic; the hash says whether it is."""
+    found = run_warm_start(runs_dir, name)
+    first = json.loads((results / "warm-start" / name / "summary.json").read_text())["sha256"]
+    return {**found, "first_build_sha256": first, "same_as_first_build": found["sha256"] == first}
+
+
+RATES = ("tool_calls", "tool_success", "answer_in_result", "exact_match", "direct_answer",
+         "bridge_in_result")
+
+
+def by_item(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    items: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        items.setdefault(row["item_id"], []).append(row)
+    return items
+
+
 def rates(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-episode rates of an evaluation's episodes (``wsp.episodes`` rows)."""
+    """Rates of an evaluation's episodes (``wsp.episodes`` rows). One sample per item: the
+    share of episodes and its Wilson interval. Several (``eval_samples``): the mean over
+    items of each item's share of its samples, the interval over the item shares (the
+    samples of one item are not independent), as the env's ``evaluate`` reports."""
     n = len(rows)
-    out: dict[str, Any] = {"episodes": n}
-    for key in ("tool_calls", "tool_success", "answer_in_result", "exact_match",
-                "direct_answer", "bridge_in_result"):
-        hits = sum(r["metrics"].get(key, 0.0) > 0 for r in rows)
+    items = by_item(rows)
+    clustered = any(len(samples) > 1 for samples in items.values())
+    out: dict[str, Any] = {"episodes": n, **({"items": len(items)} if clustered else {})}
+    for key in RATES:
         name = "tool_call_rate" if key == "tool_calls" else key
+        if clustered:
+            shares = [sum(r["metrics"].get(key, 0.0) > 0 for r in samples) / len(samples)
+                      for samples in items.values()]
+            out[name] = round(statistics.mean(shares), 4)
+            out[f"{name}_ci95"] = [round(x, 4) for x in item_interval(shares, rate=True)]
+            continue
+        hits = sum(r["metrics"].get(key, 0.0) > 0 for r in rows)
         out[name] = round(hits / n, 4) if n else None
         out[f"{name}_ci95"] = [round(x, 4) for x in wilson(hits, n)[1:]] if n else None
     out["mean_turns"] = round(sum(r["turns"] for r in rows) / n, 3) if n else None
@@ -241,9 +305,11 @@ def parse_cell(cell: str) -> tuple[str, str, int]:
 
 
 def rl_config(runs_dir: Path, model: str, cell: str, steps: int, lr: float,
-              evaluate_before: bool) -> RunConfig:
+              evaluate_before: bool, eval_samples: int = 1) -> RunConfig:
     horizon, arm, seed = parse_cell(cell)
     trainer, env = ARMS[arm]
+    if eval_samples > 1:
+        env = {**env, "eval_samples": eval_samples}
     return RunConfig.model_validate({
         "name": cell.replace("/", "-"), "runs_dir": str(runs_dir), "model": model,
         "evaluate_before": evaluate_before,
@@ -265,8 +331,15 @@ def keep_rl(run_dir: Path, kept: Path, summary: dict[str, Any]) -> None:
     for label in ("before", "after"):
         path = run_dir / "eval" / f"{label}-wiki_search.jsonl"
         if path.exists():
-            summary[f"{label}_rates"] = {**rates(wsp.episodes(path)),
-                                         "call_attempt_rate": attempt_rate(path)}
+            rows = wsp.episodes(path)
+            summary[f"{label}_rates"] = {**rates(rows), "call_attempt_rate": attempt_rate(path)}
+            if any(len(samples) > 1 for samples in by_item(rows).values()):
+                # per item: [samples, then the samples with each rate's event]
+                summary[f"{label}_per_item"] = {
+                    item: [len(samples), *(sum(r["metrics"].get(k, 0.0) > 0 for r in samples)
+                                           for k in RATES)]
+                    for item, samples in by_item(rows).items()}
+                summary[f"{label}_per_item_columns"] = ["samples", *RATES]
     done = kept / "summary.json"
     done.with_suffix(".tmp").write_text(json.dumps(summary, indent=2, default=str))
     done.with_suffix(".tmp").rename(done)
@@ -288,6 +361,15 @@ def finished(results: Path, cell: str) -> bool:
     return (results / cell / "summary.json").exists()
 
 
+def done(args: argparse.Namespace, cell: str) -> bool:
+    """A cell is done once its summary is kept; a rebuild of the warm start once its
+    weights are there with a kept hash."""
+    stage, _, name = cell.partition("/")
+    if stage == "warm-start-rebuild":
+        return warm_start_ready(args.runs_dir, args.results, name)
+    return finished(args.results, cell)
+
+
 def keep_json(kept: Path, value: dict[str, Any]) -> None:
     kept.mkdir(parents=True, exist_ok=True)
     done = kept / "summary.json"
@@ -303,13 +385,21 @@ def run_cell(args: argparse.Namespace, cell: str) -> str:
         entry["config"] = warm_start_config(args.runs_dir, name).model_dump(mode="json")
         return cf.attempt(results, entry, lambda: _locked(args, lambda: run_warm_start(
             args.runs_dir, name)), lambda found: keep_json(results / cell, found))
-    if stage == "warm-start-eval":
-        return cf.attempt(results, entry, lambda: _locked(args, lambda: evaluate_warm_start(
+    if stage == "warm-start-rebuild":
+        entry["config"] = warm_start_config(args.runs_dir, name).model_dump(mode="json")
+        return cf.attempt(results, entry, lambda: _locked(args, lambda: rebuild_warm_start(
             args.runs_dir, results, name)), lambda found: keep_json(results / cell, found))
     model, digest = the_warm_start(args.runs_dir, results, WARM_START)
-    # the starting policy is measured by the warm-start-eval cell (the same items and
-    # temperature): no evaluation before RL
-    config = rl_config(args.runs_dir, model, cell, args.steps, args.lr, evaluate_before=False)
+    if stage == "pilot2":
+        # the first run of each arm measures the start too, with the same evaluation
+        _, _, seed = parse_cell(cell)
+        config = rl_config(args.runs_dir, model, cell, args.steps or PILOT2_STEPS, args.lr,
+                           evaluate_before=seed == PILOT2_SEEDS[0], eval_samples=EVAL_SAMPLES)
+    else:
+        # the starting policy is measured by the warm-start-eval cell (the same items and
+        # temperature): no evaluation before RL
+        config = rl_config(args.runs_dir, model, cell, args.steps or STEPS, args.lr,
+                           evaluate_before=False)
     entry.update(warm_start_sha256=digest, config=config.model_dump(mode="json"))
     return cf.attempt(results, entry, lambda: _locked(args, lambda: run_quietly(config)),
                       lambda summary: keep_rl(config.run_dir, results / cell, summary))
@@ -377,8 +467,114 @@ def report(results: Path) -> dict[str, Any]:
         out[horizon] = {"runs": rows}
         if len(finals) >= 2:
             out[horizon]["final_exact_match_sd"] = round(statistics.stdev(finals), 4)
+    second = second_pilot(results)
+    if second["runs"]:
+        out["second_pilot"] = second
     (results / "report.json").write_text(json.dumps(out, indent=1))
     return out
+
+
+FINAL = ("exact_match", "tool_success", "tool_call_rate")
+"""The second pilot's final metrics (held-out, ``EVAL_SAMPLES`` samples per item)."""
+
+
+def evaluation_se(summary: dict[str, Any], label: str, metric: str) -> float | None:
+    """The standard error of an evaluation's rate from its per-item counts: the sd of the
+    item shares over the square root of the items (the evaluation's own noise)."""
+    per_item = summary.get(f"{label}_per_item")
+    if not per_item:
+        return None
+    column = summary[f"{label}_per_item_columns"].index(
+        "tool_calls" if metric == "tool_call_rate" else metric)
+    shares = [row[column] / row[0] for row in per_item.values()]
+    return round(statistics.stdev(shares) / len(shares) ** 0.5, 4)
+
+
+def second_pilot(results: Path) -> dict[str, Any]:
+    """Per run, the start (where measured) and final metrics with their intervals over
+    items; per arm, each final metric's values, mean and run-to-run sd (n - 1 df); the sd
+    pooled over the arms."""
+    runs: dict[str, Any] = {}
+    for path in sorted((results / "pilot2" / "one_hop").glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        arm, _, seed = path.parent.name.rpartition("-seed")
+        metrics = [json.loads(line) for line in (path.parent / "trainer" / "metrics.jsonl")
+                   .read_text().splitlines() if line]
+        later = metrics[1:] or metrics
+        row: dict[str, Any] = {
+            "arm": arm, "seed": int(seed), "steps": len(metrics),
+            "run_seconds": round(summary["seconds"], 1),
+            "seconds_per_step_after_the_first": round(statistics.mean(
+                m["step_seconds"] for m in later), 1) if later else None,
+            "batch_exact_match_per_step": [round(m["env/exact_match"], 3) for m in metrics
+                                           if "env/exact_match" in m]}
+        for label, key in (("start", "before"), ("final", "after")):
+            found = summary.get(f"{key}_rates")
+            if found:
+                row[label] = {k: found.get(k) for k in ("items", "episodes")}
+                for metric in (*FINAL, "direct_answer"):
+                    row[label][metric] = found[metric]
+                    row[label][f"{metric}_ci95"] = found[f"{metric}_ci95"]
+                    if metric in FINAL:
+                        row[label][f"{metric}_se"] = evaluation_se(summary, key, metric)
+        runs[path.parent.name] = row
+    arms: dict[str, Any] = {}
+    for arm in PILOT2_ARMS:
+        finals = [r["final"] for r in runs.values() if r["arm"] == arm and "final" in r]
+        if finals:
+            arms[arm] = {"runs": len(finals), **{metric: {
+                "values": [f[metric] for f in finals],
+                "mean": round(statistics.mean(f[metric] for f in finals), 4),
+                "sd": round(statistics.stdev(f[metric] for f in finals), 4)
+                if len(finals) >= 2 else None, "df": len(finals) - 1,
+                "mean_evaluation_se": round(statistics.mean(
+                    f[f"{metric}_se"] for f in finals), 4)
+                if all(f.get(f"{metric}_se") is not None for f in finals) else None}
+                for metric in FINAL}}
+    pooled = {}
+    for metric in FINAL:
+        spread = [a[metric] for a in arms.values() if a[metric]["df"] >= 1]
+        df = sum(a["df"] for a in spread)
+        if df:
+            pooled[metric] = {"sd": round((sum(a["df"] * a["sd"] ** 2 for a in spread)
+                                           / df) ** 0.5, 4), "df": df}
+    rebuilt = results / "warm-start-rebuild" / WARM_START / "summary.json"
+    warm = json.loads(rebuilt.read_text()) if rebuilt.exists() else None
+    return {"steps": PILOT2_STEPS, "eval_samples": EVAL_SAMPLES, "lr": LR,
+            "warm_start": WARM_START, "warm_start_rebuilt": {
+                k: warm[k] for k in ("sha256", "same_as_first_build", "seconds")}
+            if warm else None, "runs": runs, "arms": arms, "pooled_sd": pooled}
+
+
+def second_pilot_table(found: dict[str, Any]) -> str:
+    """The second pilot as markdown: a row per run, then the run-to-run sd per arm."""
+    def cell(values: dict[str, Any], metric: str) -> str:
+        low, high = values[f"{metric}_ci95"]
+        return f"{values[metric]:.3f} [{low:.2f}, {high:.2f}]"
+
+    lines = ["| arm | run | steps | s/step | start: exact match | final: exact match [95 % CI] "
+             "| final: tool success [95 % CI] | final: tool-call rate [95 % CI] |",
+             "|---|---|---:|---:|---|---|---|---|"]
+    for name, row in found["runs"].items():
+        start = row.get("start")
+        final = row.get("final")
+        lines.append(f"| {row['arm']} | seed {row['seed']} | {row['steps']} | "
+                     f"{row['seconds_per_step_after_the_first']} | "
+                     f"{cell(start, 'exact_match') if start else ''} | "
+                     + (" | ".join(cell(final, m) for m in FINAL) if final else " | ")
+                     + " |")
+    lines += ["", "| arm | runs | " + " | ".join(
+        f"{m}: mean, sd (df), evaluation se" for m in FINAL) + " |",
+        "|---|---:|" + "---|" * len(FINAL)]
+    for arm, values in found["arms"].items():
+        lines.append(f"| {arm} | {values['runs']} | " + " | ".join(
+            f"{values[m]['mean']:.3f}, {values[m]['sd'] if values[m]['sd'] is not None else '-'}"
+            f" ({values[m]['df']}), {values[m]['mean_evaluation_se']}" for m in FINAL) + " |")
+    if found["pooled_sd"]:
+        lines += ["", "sd pooled over the arms: " + ", ".join(
+            f"{metric} {pooled['sd']} ({pooled['df']} df)"
+            for metric, pooled in found["pooled_sd"].items())]
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -392,19 +588,30 @@ def main() -> int:
                         "/tmp/lachesis-heavy.lock (leave out when the caller holds it)")
     parser.add_argument("--one", action="store_true", help="run the next cell only")
     parser.add_argument("--cell", help="run this cell (e.g. rl/one_hop/mt_grpo-seed1)")
-    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--pilot", type=int, choices=sorted(PILOTS), default=1,
+                        help="which pilot's cells --one, --status and a plain run take: 1 "
+                        "(the first: warm starts, GRPO-OR at both horizons, 6 steps) or 2 "
+                        "(one hop, GRPO-OR and MT-GRPO, 3 runs each of 32 steps, "
+                        f"{EVAL_SAMPLES} evaluation samples per item)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"RL steps (default: {STEPS} in the first pilot, "
+                        f"{PILOT2_STEPS} in the second)")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--status", action="store_true")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
-    args.cells = CELLS + ([args.cell] if args.cell and args.cell not in CELLS else [])
+    cells = PILOTS[args.pilot]
+    args.cells = cells + ([args.cell] if args.cell and args.cell not in cells else [])
     if args.report:
-        print(json.dumps(report(args.results), indent=1))
+        found = report(args.results)
+        print(json.dumps(found, indent=1))
+        if "second_pilot" in found:
+            print("\n" + second_pilot_table(found["second_pilot"]))
         return 0
-    todo = [c for c in ([args.cell] if args.cell else CELLS) if not finished(args.results, c)]
+    todo = [c for c in ([args.cell] if args.cell else cells) if not done(args, c)]
     if args.status:
         for cell in args.cells:
-            print(f"{cell}: {'finished' if finished(args.results, cell) else 'to do'}")
+            print(f"{cell}: {'finished' if done(args, cell) else 'to do'}")
         return 0
     st.stop_on_sigterm()  # `timeout` ends a cell like Ctrl-C: processes stopped, recorded
     for cell in todo[:1] if args.one else todo:

@@ -82,7 +82,7 @@ def episodes(path: Path) -> list[dict[str, Any]]:
             metrics = trajectory.get("metadata", {}).get("metrics", {})
             replies = [m["content"] for m in trajectory.get("messages") or []
                        if m["role"] == "assistant"]
-            rows.append({"metrics": metrics,
+            rows.append({"metrics": metrics, "item_id": group.get("item_id"),
                          "sampled": sum(m != -100 for m in trajectory["masks"]),
                          "turns": len(trajectory.get("turn_spans") or []) or 1,
                          "final": replies[-1] if replies else ""})

@@ -65,7 +65,7 @@ from environments.framework.rewards import (
     reward_metrics,
     set_rollout_state,
 )
-from environments.framework.stats import ci95
+from environments.framework.evaluation import summarize
 from environments.framework.tools import Tool
 from environments.inference.backends import sampling_seeds
 from environments.inference.tool_parsers import get_parser
@@ -190,6 +190,10 @@ class EnvConfig(BaseModel):
     # evaluation
     eval_items: int = Field(default=32, ge=1)
     eval_temperature: float = Field(default=0.0, ge=0)
+    eval_samples: int = Field(default=1, ge=1)
+    """Rollouts of every eval item: ``evaluate()`` reports the mean over items of each
+    item's mean over its samples, with 95 % intervals over the item means (the samples of
+    one item are not independent); more samples narrow the evaluation's own noise."""
     eval_out: Path | None = None
 
     @classmethod
@@ -400,42 +404,31 @@ class BaseEnv:
         return [await self.get_next_item() for _ in range(self.config.eval_items)]
 
     async def evaluate(self) -> dict[str, Any]:
-        """One rollout per eval item (eval temperature); returns mean metrics."""
+        """``eval_samples`` rollouts of every eval item (eval temperature); each metric the
+        mean over items of the item's mean, its interval over the item means
+        (:func:`environments.framework.evaluation.summarize`)."""
         items = await self.eval_items()
-        keys = [self._seed_keys(item, 1, "eval")[0] for item in items]
-        results = await asyncio.gather(*(self._eval_one(item, key)
-                                         for item, key in zip(items, keys)),
+        k = self.config.eval_samples
+        runs = [(item, key) for item in items for key in self._seed_keys(item, k, "eval")]
+        results = await asyncio.gather(*(self._eval_one(item, key) for item, key in runs),
                                        return_exceptions=True)
-        ok = [r for r in results if not isinstance(r, BaseException)]
-        for item, r in zip(items, results):
+        for (item, _), r in zip(runs, results):
             if isinstance(r, BaseException):
                 log.error("evaluation of item %s failed: %s: %s", self.item_id(item),
                           type(r).__name__, r)
-        n = len(ok)
-        outcomes = [t.outcome for _, t in ok]
-        names = sorted({k for _, t in ok for k in t.metadata.get("metrics", {})})
-        per_episode = {
-            "mean_outcome": outcomes,
-            "tool_errors_per_episode": [s.tool_errors for s, _ in ok],
-            "truncated_rate": [float(s.truncated) for s, _ in ok],
-            **{name: [t.metadata["metrics"].get(name, 0.0) for _, t in ok] for name in names},
-        }
-        metrics = {
-            "env": self.name, "items": len(items), "failed": len(items) - n,
-            "mean_turns": sum(len(s.turns) for s, _ in ok) / n if n else None,
-            "tool_calls_per_episode": sum(s.tool_calls for s, _ in ok) / n if n else None,
-            **{name: sum(values) / n if n else None for name, values in per_episode.items()},
-            # 95 % confidence interval of each mean (Wilson for rates), [low, high]
-            **{f"{name}_ci95": list(ci) if (ci := ci95(values)) else None
-               for name, values in per_episode.items()},
-        }
+        finished = [[r for r in results[i * k:(i + 1) * k] if not isinstance(r, BaseException)]
+                    for i in range(len(items))]
+        failed = sum(isinstance(r, BaseException) for r in results)
+        metrics = {"env": self.name, **summarize(finished, failed)}
         if self.config.eval_out is not None:
             from environments.jsonl_store import GroupWriter
             with GroupWriter(self.config.eval_out) as writer:
-                for item, (_, trajectory) in zip(items, ok):
-                    writer.append(ScoredGroup(env=self.name, item_id=self.item_id(item),
-                                              trajectories=[trajectory],
-                                              metadata={"evaluation": True}))
+                for item, samples in zip(items, finished):
+                    if samples:  # one group per item: its finished samples
+                        writer.append(ScoredGroup(
+                            env=self.name, item_id=self.item_id(item),
+                            trajectories=[t for _, t in samples],
+                            metadata={"evaluation": True}))
         return metrics
 
     async def _eval_one(self, item: Any, seed_key: str | None = None
