@@ -478,16 +478,24 @@ FINAL = ("exact_match", "tool_success", "tool_call_rate")
 """The second pilot's final metrics (held-out, ``EVAL_SAMPLES`` samples per item)."""
 
 
-def evaluation_se(summary: dict[str, Any], label: str, metric: str) -> float | None:
-    """The standard error of an evaluation's rate from its per-item counts: the sd of the
-    item shares over the square root of the items (the evaluation's own noise)."""
+def evaluation_se(summary: dict[str, Any], label: str, metric: str
+                  ) -> tuple[float, float | None] | None:
+    """Two standard errors of an evaluation's rate, from its per-item counts: over items
+    (the sd of the item shares over the square root of the items: the noise of drawing
+    the items, which the interval reports), and within items (``sqrt(sum_i p_i (1 - p_i)
+    / (k_i - 1)) / n``: the sampling noise alone, on these items; what a run-to-run sd
+    on the same items contains of the evaluation's noise)."""
     per_item = summary.get(f"{label}_per_item")
     if not per_item:
         return None
     column = summary[f"{label}_per_item_columns"].index(
         "tool_calls" if metric == "tool_call_rate" else metric)
-    shares = [row[column] / row[0] for row in per_item.values()]
-    return round(statistics.stdev(shares) / len(shares) ** 0.5, 4)
+    shares = [(row[column] / row[0], row[0]) for row in per_item.values()]
+    n = len(shares)
+    within = (sum(p * (1 - p) / (k - 1) for p, k in shares) ** 0.5 / n
+              if all(k > 1 for _, k in shares) else None)
+    return (round(statistics.stdev(p for p, _ in shares) / n ** 0.5, 4),
+            None if within is None else round(within, 4))
 
 
 def second_pilot(results: Path) -> dict[str, Any]:
@@ -515,8 +523,9 @@ def second_pilot(results: Path) -> dict[str, Any]:
                 for metric in (*FINAL, "direct_answer"):
                     row[label][metric] = found[metric]
                     row[label][f"{metric}_ci95"] = found[f"{metric}_ci95"]
-                    if metric in FINAL:
-                        row[label][f"{metric}_se"] = evaluation_se(summary, key, metric)
+                    se = evaluation_se(summary, key, metric) if metric in FINAL else None
+                    if se is not None:
+                        row[label][f"{metric}_se"], row[label][f"{metric}_se_within"] = se
         runs[path.parent.name] = row
     arms: dict[str, Any] = {}
     for arm in PILOT2_ARMS:
@@ -527,9 +536,10 @@ def second_pilot(results: Path) -> dict[str, Any]:
                 "mean": round(statistics.mean(f[metric] for f in finals), 4),
                 "sd": round(statistics.stdev(f[metric] for f in finals), 4)
                 if len(finals) >= 2 else None, "df": len(finals) - 1,
-                "mean_evaluation_se": round(statistics.mean(
-                    f[f"{metric}_se"] for f in finals), 4)
-                if all(f.get(f"{metric}_se") is not None for f in finals) else None}
+                **{f"mean_evaluation_{se}": round(statistics.mean(
+                    f[f"{metric}_{se}"] for f in finals), 4)
+                   if all(f.get(f"{metric}_{se}") is not None for f in finals) else None
+                   for se in ("se", "se_within")}}
                 for metric in FINAL}}
     pooled = {}
     for metric in FINAL:
@@ -564,12 +574,13 @@ def second_pilot_table(found: dict[str, Any]) -> str:
                      + (" | ".join(cell(final, m) for m in FINAL) if final else " | ")
                      + " |")
     lines += ["", "| arm | runs | " + " | ".join(
-        f"{m}: mean, sd (df), evaluation se" for m in FINAL) + " |",
-        "|---|---:|" + "---|" * len(FINAL)]
+        f"final {m}: mean, run-to-run sd (df), evaluation se over items / within items"
+        for m in FINAL) + " |", "|---|---:|" + "---|" * len(FINAL)]
     for arm, values in found["arms"].items():
         lines.append(f"| {arm} | {values['runs']} | " + " | ".join(
             f"{values[m]['mean']:.3f}, {values[m]['sd'] if values[m]['sd'] is not None else '-'}"
-            f" ({values[m]['df']}), {values[m]['mean_evaluation_se']}" for m in FINAL) + " |")
+            f" ({values[m]['df']}), {values[m]['mean_evaluation_se']} / "
+            f"{values[m]['mean_evaluation_se_within']}" for m in FINAL) + " |")
     if found["pooled_sd"]:
         lines += ["", "sd pooled over the arms: " + ", ".join(
             f"{metric} {pooled['sd']} ({pooled['df']} df)"
