@@ -82,8 +82,10 @@ def _between_marks(data: bytes, mark: bytes) -> bytes | None:
         return data[len(mark):-len(mark)]
     return None
 
+
 def _new_mark() -> bytes:
-    """An exec's end-of-stream mark: unlikely in any output, new for every exec."""
+    """An exec's mark for both ends of its streams: unlikely in any output, new for every
+    exec."""
     return f"\x1e{secrets.token_hex(8)}\x1e".encode()
 
 
@@ -198,7 +200,7 @@ class DockerSandbox(Sandbox):
         api = self.client.api
         limit = self.config.max_output_bytes
         mark = _new_mark()
-        out, err = (OutputCollector(limit + 2 * len(mark)), OutputCollector(limit + 2 * len(mark)))
+        out, err = OutputCollector(limit + 2 * len(mark)), OutputCollector(limit + 2 * len(mark))
         command = ["/bin/sh", "-c", _WRAPPER, f"{timeout_s:.3f}", mark.decode(), *argv]
         started = time.monotonic()
         try:
@@ -215,10 +217,10 @@ class DockerSandbox(Sandbox):
                     killed = True
                     threading.Thread(target=self._kill_group, daemon=True).start()
             exit_code = api.exec_inspect(exec_id).get("ExitCode")
-            whole = [_between_marks(bytes(c.data), mark) for c in (out, err)]
-            streams = [data if data is not None
-                       else bytes(c.data).removeprefix(mark).removesuffix(mark)
-                       for data, c in zip(whole, (out, err))]
+            raw = [bytes(out.data), bytes(err.data)]
+            whole = [_between_marks(data, mark) for data in raw]
+            streams = [kept if kept is not None else data.removeprefix(mark).removesuffix(mark)
+                       for kept, data in zip(whole, raw)]
             if not killed and None in whole:
                 streams = self._saved_output(streams)  # the daemon lost an end of a stream
         except docker.errors.NotFound as error:
