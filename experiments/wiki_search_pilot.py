@@ -110,13 +110,14 @@ PILOT2_ARMS = ("grpo", "mt_grpo")
 PILOT2_SEEDS = (3, 4, 5)
 PILOT2 = [f"warm-start-rebuild/{WARM_START}"] + [
     f"pilot2/one_hop/{arm}-seed{seed}" for seed in PILOT2_SEEDS for arm in PILOT2_ARMS] + [
-    f"pilot2/two_hop/grpo-seed{PILOT2_SEEDS[0]}"]
+    f"pilot2/two_hop/mt_grpo-seed{PILOT2_SEEDS[0]}"]
 """The second pilot (``--pilot 2``): the run-to-run spread of the final metrics at one hop,
 GRPO-OR and MT-GRPO, 3 runs each of ``PILOT2_STEPS`` steps from the same warm start,
 interleaved (a partial pilot stays balanced); the first run of each arm also measures the
 start. Its first cell rebuilds the warm start's weights where they are missing; its last
-is one GRPO-OR run at two hops (what a 32-step two-hop run costs, and whether its exact
-match leaves the floor), the start measured too."""
+is one MT-GRPO run at two hops, the start measured too: what a 32-step two-hop run costs
+with an arm that keeps searching (the first pilot's GRPO-OR runs stopped calling the tool
+there, which made their episodes short), and whether exact match leaves the floor."""
 PILOTS = {1: CELLS, 2: PILOT2}
 
 
