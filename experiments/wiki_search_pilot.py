@@ -129,11 +129,21 @@ def env_settings(horizon: str, **more: Any) -> dict[str, Any]:
             "eval_items": 64, "max_queued_groups": 4, **more}
 
 
-def warm_start_config(runs_dir: Path, name: str) -> RunConfig:
+def warm_start_name(name: str, seed: int = 1) -> str:
+    """The run's name of the recipe ``name`` at ``seed`` (the pilot's seed 1: the bare
+    name, as the pilot's runs were named)."""
+    return f"warm-start-{name}" if seed == 1 else f"warm-start-{name}-seed{seed}"
+
+
+def warm_start_config(runs_dir: Path, name: str, seed: int = 1) -> RunConfig:
+    """The SFT of recipe ``name``; ``seed``: the demonstrations' order (the env's seed)
+    and the SFT trainer's seed (1: the pilot's warm starts, their configs as they ran)."""
+    recipe = WARM_STARTS[name]
     return RunConfig.model_validate({
-        "name": f"warm-start-{name}", "runs_dir": str(runs_dir), "model": MODEL,
-        "warm_start": {"env": "wiki_search", **WARM_STARTS[name],
-                       "settings": {"seed": 1, "oracle_direct_fraction": DIRECT_FRACTION}},
+        "name": warm_start_name(name, seed), "runs_dir": str(runs_dir), "model": MODEL,
+        "warm_start": {"env": "wiki_search", **recipe,
+                       **({"train": {**recipe["train"], "seed": seed}} if seed != 1 else {}),
+                       "settings": {"seed": seed, "oracle_direct_fraction": DIRECT_FRACTION}},
         "vllm": {"max_model_len": 2048, "kv_cache_gib": 1, "dtype": "auto"},
         "envs": [{"name": "wiki_search", "settings": env_settings("one_hop")}],
         "train": {"steps": 1}})
@@ -171,12 +181,12 @@ class MixedWarmStart(Supervisor):
         return path
 
 
-def warm_start_path(runs_dir: Path, name: str) -> Path:
-    return runs_dir / f"warm-start-{name}" / "warm_start" / "final"
+def warm_start_path(runs_dir: Path, name: str, seed: int = 1) -> Path:
+    return runs_dir / warm_start_name(name, seed) / "warm_start" / "final"
 
 
-def run_warm_start(runs_dir: Path, name: str) -> dict[str, Any]:
-    config = warm_start_config(runs_dir, name)
+def run_warm_start(runs_dir: Path, name: str, seed: int = 1) -> dict[str, Any]:
+    config = warm_start_config(runs_dir, name, seed)
     config.check_sections()
     if config.run_dir.exists():
         shutil.rmtree(config.run_dir)
@@ -311,11 +321,22 @@ def parse_cell(cell: str) -> tuple[str, str, int]:
 def rl_config(runs_dir: Path, model: str, cell: str, steps: int, lr: float,
               evaluate_before: bool, eval_samples: int = 1) -> RunConfig:
     horizon, arm, seed = parse_cell(cell)
+    return run_config(runs_dir, cell.replace("/", "-"), model, horizon, arm, seed, steps, lr,
+                      evaluate_before, eval_samples)
+
+
+def run_config(runs_dir: Path, name: str, model: str, horizon: str, arm: str, seed: int,
+               steps: int, lr: float, evaluate_before: bool, eval_samples: int = 1
+               ) -> RunConfig:
+    """An RL run of ``arm`` at ``horizon`` from ``model``: groups of 8, 2 groups a step,
+    ``steps`` steps at ``lr``; the trainer's seed ``seed``, the env's ``1000 + seed`` (every
+    arm of a seed sees the same items); held-out evaluation after the run (and before, with
+    ``evaluate_before``), every item ``eval_samples`` times at temperature 1."""
     trainer, env = ARMS[arm]
     if eval_samples > 1:
         env = {**env, "eval_samples": eval_samples}
     return RunConfig.model_validate({
-        "name": cell.replace("/", "-"), "runs_dir": str(runs_dir), "model": model,
+        "name": name, "runs_dir": str(runs_dir), "model": model,
         "evaluate_before": evaluate_before,
         "api": {"max_staleness": 2},
         "vllm": {"max_model_len": 2048, "kv_cache_gib": 1, "dtype": "auto"},
