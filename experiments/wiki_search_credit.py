@@ -558,9 +558,10 @@ def report(args: argparse.Namespace, design: Design) -> str:
     for family, members in registered_tests(rows).items():
         if not members:
             continue
-        lines += ["", f"Tests, {family} (two-sided; Holm within the family; " + (
-            f"equivalent if Holm p <= {ALPHA}, margin ±{MARGIN})" if family == "equivalence"
-            else f"significant if Holm p <= {ALPHA})") + ":", "",
+        lines += ["", f"Tests, {family} (" + (
+            f"TOST, 90 % interval; Holm over the horizons; equivalent if Holm p <= {ALPHA}, "
+            f"margin ±{MARGIN})" if family == "equivalence" else
+            f"two-sided; Holm within the family; significant if Holm p <= {ALPHA})") + ":", "",
             "| comparison | difference | p | p (Holm) |", "|---|---:|---:|---:|"]
         for name, t in members.items():
             extra = f" [{t['low']:+.3f}, {t['high']:+.3f}]" if "low" in t else ""
