@@ -14,8 +14,8 @@ Cells, in the order they run:
    ``RECIPE`` at demonstration and SFT seed ``TUNING_SEED`` = 1, the pilot's config byte
    for byte). It is identified by its weights' sha256: they must be one of the hashes the
    pilot kept (``wiki_search_pilot.recorded_hashes``: ``1d3bbcab…``). Its weights are
-   copied from the pilot's runs (``PILOT_RUNS``) where they are there with that hash,
-   else rebuilt (the SFT is deterministic: the pilot rebuilt them bit for bit); then it
+   copied from the pilot's runs (``--pilot-runs-dir``, default ``PILOT_RUNS``) where they
+   are there with that hash, else rebuilt (the SFT is deterministic: the pilot rebuilt them bit for bit); then it
    is evaluated as every warm start is (below).
 2. ``tuning/HORIZON/lrLR/ARM-seed900``: from the tuning warm start, each arm at each rate
    of ``LRS`` at each horizon, one run each (rate outermost, then horizon, then arm).
@@ -309,7 +309,7 @@ def warm_start_weights(args: argparse.Namespace, seed: int, recorded: list[str],
     if model.exists() and (digest := cf.weights_hash(str(model))) in recorded:
         return str(model), digest, None
     made = None
-    pilot = wp.warm_start_path(PILOT_RUNS, RECIPE, seed)
+    pilot = wp.warm_start_path(getattr(args, "pilot_runs_dir", PILOT_RUNS), RECIPE, seed)
     if seed == TUNING_SEED and pilot.exists() and cf.weights_hash(str(pilot)) in recorded:
         if model.exists():
             shutil.rmtree(model)
@@ -633,6 +633,9 @@ def main() -> int:
     parser.add_argument("--status", action="store_true", help="counts per stage, no outcome")
     parser.add_argument("--report", action="store_true", help="the registered analysis")
     parser.add_argument("--out", type=Path, default=None, help="default: RUNS_DIR.md")
+    parser.add_argument("--pilot-runs-dir", type=Path, default=PILOT_RUNS,
+                        help="the pilot's --runs-dir: the tuning warm start (sft64) is "
+                        "copied from there when its hash is the pilot's, else rebuilt")
     smoke = parser.add_argument_group("pilot and smoke runs (need --results elsewhere)")
     smoke.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     smoke.add_argument("--lrs", nargs="+", type=float, default=list(LRS))
