@@ -401,24 +401,25 @@ def check_design(args: argparse.Namespace, design: Design) -> None:
 
 def sign_flip(differences: list[float], *, draws: int = DRAWS, seed: int = PERMUTATION_SEED
               ) -> tuple[float, float]:
-    """The mean of paired ``differences`` and its two-sided one-sample permutation p: under
-    the null each difference is as likely to have either sign, so every pattern of signs
-    is equally likely. Exact (all 2^n patterns) when 2^n <= ``draws``, ``p = #{|mean*| >=
-    |mean|} / 2^n``; else ``draws`` random patterns (``random.Random(seed)``), counting the
-    observed one, ``p = (1 + hits) / (1 + draws)``."""
+    """The mean of paired ``differences`` and its one-sided one-sample permutation p against
+    the alternative that the mean is below 0 (the registered prediction: GRPO-OR ends with
+    fewer tool calls than its warm start made): under the null each difference is as likely
+    to have either sign, so every pattern of signs is equally likely. Exact (all 2^n
+    patterns) when 2^n <= ``draws``, ``p = #{mean* <= mean} / 2^n``; else ``draws`` random
+    patterns (``random.Random(seed)``), counting the observed one, ``p = (1 + hits) / (1 +
+    draws)``. (Two-sided, 6 runs could never pass Holm: its smallest p is 2/64.)"""
     if not differences:
         raise ValueError("sign_flip: no differences")
     n = len(differences)
     observed = sum(differences) / n
     tolerance = 1e-12 * max(1.0, abs(observed))
     if 2 ** n <= draws:
-        hits = sum(abs(sum(s * d for s, d in zip(signs, differences)) / n)
-                   >= abs(observed) - tolerance
+        hits = sum(sum(s * d for s, d in zip(signs, differences)) / n <= observed + tolerance
                    for signs in itertools.product((1, -1), repeat=n))
         return observed, hits / 2 ** n
     rng = random.Random(seed)
-    hits = sum(abs(sum(d if rng.random() < 0.5 else -d for d in differences) / n)
-               >= abs(observed) - tolerance for _ in range(draws))
+    hits = sum(sum(d if rng.random() < 0.5 else -d for d in differences) / n
+               <= observed + tolerance for _ in range(draws))
     return observed, (1 + hits) / (1 + draws)
 
 
@@ -452,8 +453,8 @@ def registered_tests(rows: dict[str, Any]) -> dict[str, Any]:
     the permutation test stratified by warm start (two-sided), Holm over the four.
     Secondary, Holm within each family: (a) ``mt_grpo_unbiased`` against GRPO-OR, the same
     metrics; (b) each turn-level arm against GRPO-MR, exact match; (c) GRPO-OR stops
-    invoking the tool: its final tool-call rate minus its warm start's (``sign_flip``), and
-    GRPO-OR against MT-GRPO in final tool-call rate. Equivalence: TOST of MT-GRPO against
+    invoking the tool: its final tool-call rate minus its warm start's (``sign_flip``,
+    one-sided: below); (d) GRPO-OR against MT-GRPO in final tool-call rate. Equivalence: TOST of MT-GRPO against
     GRPO-OR in exact match, margin ``MARGIN``, Holm over the horizons."""
     comparisons = {
         "primary": [(h, "mt_grpo", "grpo", m) for h in HORIZONS
@@ -463,8 +464,9 @@ def registered_tests(rows: dict[str, Any]) -> dict[str, Any]:
             for m in ("exact_match", "tool_success")],
         "secondary (b): turn-level arms vs GRPO-MR": [
             (h, arm, "grpo_merged", "exact_match") for h in HORIZONS for arm in TURN_ARMS],
-        "secondary (c): GRPO-OR stops invoking the tool": [
-            (h, "grpo", None, "tool_call_change") for h in HORIZONS] + [
+        "secondary (c): GRPO-OR stops invoking the tool (one-sided)": [
+            (h, "grpo", None, "tool_call_change") for h in HORIZONS],
+        "secondary (d): GRPO-OR vs MT-GRPO, tool-call rate": [
             (h, "grpo", "mt_grpo", "tool_call_rate") for h in HORIZONS],
     }
     out: dict[str, Any] = {}
@@ -561,7 +563,8 @@ def report(args: argparse.Namespace, design: Design) -> str:
         lines += ["", f"Tests, {family} (" + (
             f"TOST, 90 % interval; Holm over the horizons; equivalent if Holm p <= {ALPHA}, "
             f"margin ±{MARGIN})" if family == "equivalence" else
-            f"two-sided; Holm within the family; significant if Holm p <= {ALPHA})") + ":", "",
+            f"{'one' if 'one-sided' in family else 'two'}-sided; Holm within the family; "
+            f"significant if Holm p <= {ALPHA})") + ":", "",
             "| comparison | difference | p | p (Holm) |", "|---|---:|---:|---:|"]
         for name, t in members.items():
             extra = f" [{t['low']:+.3f}, {t['high']:+.3f}]" if "low" in t else ""
