@@ -306,27 +306,42 @@ def plot(args: argparse.Namespace, arms: list[str], out: Path) -> None:
 def plot_curves(runs: dict[str, list[Path]], out: Path) -> None:
     """Per label (an arm), batch tool success and answer accuracy per step over its runs'
     ``trainer/metrics.jsonl``: the mean and its 95 % band."""
+    named = {f"{name} ({len(dirs)} runs)": dirs for name, dirs in runs.items()}
+    plot_panels([(None, "env/tool_success", "batch tool success (mean, 95 % band)", named),
+                 (None, "env/correct", "batch answer accuracy (mean, 95 % band)", named)],
+                out, legend="first", width=5.5, alpha=0.15)
+
+
+def plot_panels(panels: list[tuple[str | None, str, str, dict[str, list[Path]]]], out: Path,
+                legend: str = "each", width: float = 5.5, alpha: float = 0.12) -> None:
+    """One panel per ``(title, metric, y label, {curve label: run dirs})``: per curve, the
+    runs' ``metric`` per trainer step (their ``trainer/metrics.jsonl``, 0 where a step lacks
+    it), the mean and its 95 % band (:func:`step_bands`); curves with no run are left out.
+    ``legend``: on ``each`` panel or the ``first`` only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
-    for ax, key, label in zip(axes, ["env/tool_success", "env/correct"],
-                              ["tool success", "answer accuracy"]):
-        for name, dirs in runs.items():
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4), dpi=120,
+                             squeeze=False)
+    for i, (ax, (title, key, ylabel, curves)) in enumerate(zip(axes[0], panels)):
+        for name, dirs in curves.items():
             if not dirs:
                 continue
-            curves = [[m.get(key, 0.0) for m in ca.read_metrics(d)] for d in dirs]
-            mean, low, high = step_bands(curves)
+            values = [[m.get(key, 0.0) for m in ca.read_metrics(d)] for d in dirs]
+            mean, low, high = step_bands(values)
             steps = range(1, len(mean) + 1)
-            line, = ax.plot(steps, mean, label=f"{name} ({len(curves)} runs)")
-            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+            line, = ax.plot(steps, mean, label=name)
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=alpha)
+        if title:
+            ax.set_title(title)
         ax.set_xlabel("trainer step")
-        ax.set_ylabel(f"batch {label} (mean, 95 % band)")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+        if legend == "each" or i == 0:
+            ax.legend(fontsize=7 if legend == "each" else 8)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

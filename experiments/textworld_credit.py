@@ -519,33 +519,16 @@ def report(args: argparse.Namespace, design: Design) -> str:
 
 
 def plot(results: Path, design: Design, chosen: dict[str, float], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(design.horizons), figsize=(5.5 * len(design.horizons), 4),
-                             dpi=120, squeeze=False)
-    for ax, horizon in zip(axes[0], design.horizons):
+    panels = []
+    for horizon in design.horizons:
+        curves = {}
         for arm in design.of(horizon)["arms"]:
             dirs = [results / c.id for c in confirmation_cells(design, chosen)
                     if c.horizon == horizon and c.arm == arm and summary_of(results, c)]
-            if not dirs:
-                continue
-            curves = [[m.get("env/won", 0.0) for m in cf.ca.read_metrics(d)] for d in dirs]
-            mean, low, high = cf.step_bands(curves)
-            steps = range(1, len(mean) + 1)
-            line, = ax.plot(steps, mean, label=f"{ARMS[arm][0]} ({len(dirs)})")
-            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.12)
-        ax.set_title(f"{horizon} horizon")
-        ax.set_xlabel("trainer step")
-        ax.set_ylabel("batch success (mean, 95 % band)")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+            curves[f"{ARMS[arm][0]} ({len(dirs)})"] = dirs
+        panels.append((f"{horizon} horizon", "env/won", "batch success (mean, 95 % band)",
+                       curves))
+    cf.plot_panels(panels, out)
 
 
 # --- the command line ------------------------------------------------------------------------

@@ -592,34 +592,16 @@ def plot(results: Path, design: Design, chosen: dict[str, dict[str, float]], out
          ) -> None:
     """Per horizon and arm, the confirmation runs' batch exact match per trainer step:
     the mean and its 95 % band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(design.horizons), figsize=(5.5 * len(design.horizons), 4),
-                             dpi=120, squeeze=False)
-    for ax, horizon in zip(axes[0], design.horizons):
+    panels = []
+    for horizon in design.horizons:
+        curves = {}
         for arm in design.arms:
             dirs = [results / c.id for c in confirmation_cells(design, chosen)
                     if c.horizon == horizon and c.arm == arm and summary_of(results, c)]
-            if not dirs:
-                continue
-            curves = [[m.get("env/exact_match", 0.0) for m in cf.ca.read_metrics(d)]
-                      for d in dirs]
-            mean, low, high = cf.step_bands(curves)
-            steps = range(1, len(mean) + 1)
-            line, = ax.plot(steps, mean, label=f"{ARMS[arm]} ({len(dirs)})")
-            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.12)
-        ax.set_title(horizon.replace("_", " "))
-        ax.set_xlabel("trainer step")
-        ax.set_ylabel("batch exact match (mean, 95 % band)")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+            curves[f"{ARMS[arm]} ({len(dirs)})"] = dirs
+        panels.append((horizon.replace("_", " "), "env/exact_match",
+                       "batch exact match (mean, 95 % band)", curves))
+    cf.plot_panels(panels, out)
 
 
 # --- the command line ------------------------------------------------------------------------
