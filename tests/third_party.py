@@ -100,6 +100,7 @@ def openenv_python() -> Path:
 
 def statcheck_python() -> Path:
     """A venv with numpy, scipy and statsmodels, for the studies' independent checks
-    (``experiments/stress_check.py``, ``experiments/textworld_credit_check.py``), which
+    (``experiments/stress_check.py``, ``experiments/textworld_credit_check.py``,
+    ``experiments/wiki_search_credit_check.py``), which
     import nothing of the project's."""
     return third_party_venv("statcheck", ["numpy", "scipy", "statsmodels"])
