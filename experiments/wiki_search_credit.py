@@ -290,10 +290,11 @@ def evaluate(model: str, out: Path) -> dict[str, Any]:
                 inference_servers=[server.url], tokenizer=model, eval_out=path,
                 api_token=None))
             metrics = asyncio.run(_evaluate(env))
-            found[horizon] = {**wp.rates(wsp.episodes(path)),
-                              "call_attempt_rate": wp.attempt_rate(path),
+            rows = wsp.episodes(path)
+            found[horizon] = {**wp.rates(rows), "call_attempt_rate": wp.attempt_rate(path),
                               "mean_outcome": metrics["mean_outcome"],
-                              "failed": metrics["failed"]}
+                              "failed": metrics["failed"], "per_item": wp.per_item(rows),
+                              "per_item_columns": ["samples", *wp.RATES]}
             found[horizon]["in_band"] = BAND[0] <= found[horizon]["tool_call_rate"] <= BAND[1]
     found["seconds"] = round(time.monotonic() - began, 1)
     return found
@@ -423,19 +424,43 @@ def sign_flip(differences: list[float], *, draws: int = DRAWS, seed: int = PERMU
     return observed, (1 + hits) / (1 + draws)
 
 
+COLUMNS = {"exact_match": "exact_match", "tool_success": "tool_success",
+           "tool_call_rate": "tool_calls"}  # a final metric's per-item column
+
+
+def unrounded(per_item: dict[str, list[int]] | None, columns: list[str] | None,
+              metric: str, kept: float) -> float:
+    """The rate as registered, not rounded: the mean over items of the item's share of its
+    samples, from the kept per-item counts (``kept``, the 4-decimal rate, where there are
+    none). The tests use these: rounding would break exact ties between relabellings."""
+    if not per_item or not columns:
+        return float(kept)
+    at = columns.index(COLUMNS[metric])
+    return sum(c[at] / c[0] for c in per_item.values()) / len(per_item)
+
+
+def final_rate(summary: dict[str, Any], metric: str) -> float:
+    """A run's final held-out ``metric``, ``unrounded``."""
+    return unrounded(summary.get("after_per_item"), summary.get("after_per_item_columns"),
+                     metric, summary["after_rates"][metric])
+
+
 def run_rows(results: Path, design: Design, chosen: dict[str, dict[str, float]]
              ) -> dict[str, dict[str, dict[int, list[dict[str, Any]]]]]:
     """horizon -> arm -> warm start -> finished runs: final held-out exact match, tool
-    success, tool-call rate, and the tool-call rate's change from the run's warm start's."""
+    success, tool-call rate (``unrounded``), and the tool-call rate's change from the run's
+    warm start's."""
     rows: dict[str, dict[str, dict[int, list[dict[str, Any]]]]] = {}
     for cell in confirmation_cells(design, chosen):
         summary = summary_of(results, cell)
         if summary is None:
             continue
         start = summary_of(results, warm_start_of(results, cell))["evaluation"][cell.horizon]
-        row = {m: float(summary["after_rates"][m]) for m in FINAL}
-        row.update(cell=cell.id, start_tool_call_rate=start["tool_call_rate"],
-                   tool_call_change=row["tool_call_rate"] - start["tool_call_rate"])
+        row = {m: final_rate(summary, m) for m in FINAL}
+        start_rate = unrounded(start.get("per_item"), start.get("per_item_columns"),
+                               "tool_call_rate", start["tool_call_rate"])
+        row.update(cell=cell.id, start_tool_call_rate=start_rate,
+                   tool_call_change=row["tool_call_rate"] - start_rate)
         rows.setdefault(cell.horizon, {}).setdefault(cell.arm, {}).setdefault(
             cell.ws, []).append(row)
     return rows
@@ -577,7 +602,7 @@ def report(args: argparse.Namespace, design: Design) -> str:
         s = summary_of(results, cell)
         if s is not None:
             lines.append(f"| {cell.id} | " + " / ".join(
-                f"{s['after_rates'][m]:.3f}" for m in FINAL) + (
+                f"{final_rate(s, m):.3f}" for m in FINAL) + (
                 f" (mean outcome {mean_outcome(s):.3f})" if cell.stage == "tuning" else "")
                 + " |")
         elif st.failures(manifest, cell) >= MAX_ATTEMPTS:

@@ -251,6 +251,13 @@ def by_item(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return items
 
 
+def per_item(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per held-out item: [its samples, then how many of them had each of ``RATES``]."""
+    return {item: [len(samples), *(sum(r["metrics"].get(k, 0.0) > 0 for r in samples)
+                                   for k in RATES)]
+            for item, samples in by_item(rows).items()}
+
+
 def rates(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Rates of an evaluation's episodes (``wsp.episodes`` rows). One sample per item: the
     share of episodes and its Wilson interval. Several (``eval_samples``): the mean over
@@ -359,11 +366,7 @@ def keep_rl(run_dir: Path, kept: Path, summary: dict[str, Any]) -> None:
             rows = wsp.episodes(path)
             summary[f"{label}_rates"] = {**rates(rows), "call_attempt_rate": attempt_rate(path)}
             if any(len(samples) > 1 for samples in by_item(rows).values()):
-                # per item: [samples, then the samples with each rate's event]
-                summary[f"{label}_per_item"] = {
-                    item: [len(samples), *(sum(r["metrics"].get(k, 0.0) > 0 for r in samples)
-                                           for k in RATES)]
-                    for item, samples in by_item(rows).items()}
+                summary[f"{label}_per_item"] = per_item(rows)
                 summary[f"{label}_per_item_columns"] = ["samples", *RATES]
     done = kept / "summary.json"
     done.with_suffix(".tmp").write_text(json.dumps(summary, indent=2, default=str))
