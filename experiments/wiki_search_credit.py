@@ -380,9 +380,13 @@ def run_one(args: argparse.Namespace, design: Design, cell: Cell) -> str:
     config = rl_config(args, design, cell, model)
     entry.update(warm_start_cell=ws_cell.id, warm_start_sha256=digest,
                  config=config.model_dump(mode="json"))
-    return cf.attempt(args.results, entry, lambda: run_quietly(config),
-                      lambda summary: wp.keep_rl(config.run_dir, args.results / cell.id,
-                                                 summary))
+    # a run's folder (its checkpoints and synced weights: about 1.4 GB; 72 runs would not
+    # fit the disk) goes once its files are kept (run_quietly empties it before a run)
+    def keep(summary: dict[str, Any]) -> None:
+        wp.keep_rl(config.run_dir, args.results / cell.id, summary)
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+
+    return cf.attempt(args.results, entry, lambda: run_quietly(config), keep)
 
 
 def check_design(args: argparse.Namespace, design: Design) -> None:
