@@ -214,16 +214,23 @@ def textworld(sds: list[float], runs: list[int], deltas: list[float]) -> None:
         print(f"pilot, {horizon} horizon: " + "; ".join(
             f"{arm} {', '.join(f'{v:.3f}' for v in values)}"
             for arm, values in s["runs"].items()) + f"; pooled sd {s['sd']:.4f} ({s['df']} df)")
-    alphas = [0.05, 0.05 / 8]
     print("\nStratified permutation test, 4 warm starts, a normal model of final success "
           "(400 simulated studies, 400 relabellings each): power at alpha 0.05 / at the Holm "
           "worst case 0.05/8")
+    print_power_table(sds, runs, deltas, 4)
+
+
+def print_power_table(sds: list[float], runs: list[int], deltas: list[float],
+                      strata: int) -> None:
+    """The normal model's power per sd, runs per arm and warm start, and gap, at alpha 0.05
+    and at the Holm worst case 0.05/8, as a markdown table (studies 3 and 4)."""
+    alphas = [0.05, 0.05 / 8]
     print("| sd | runs per arm and warm start | " + " | ".join(f"gap {d:+.2f}" for d in deltas)
           + " |")
     print("|---:|---:|" + "---|" * len(deltas))
     for sd in sds:
         for n in runs:
-            cells = [normal_power(sd, d, 4, n, alphas) for d in deltas]
+            cells = [normal_power(sd, d, strata, n, alphas) for d in deltas]
             print(f"| {sd:.3f} | {n} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells)
                   + " |")
 
@@ -256,18 +263,10 @@ def wiki(sds: list[float], runs: list[int], deltas: list[float], strata: int) ->
     for metric, pooled in (second or {}).get("pooled_sd", {}).items():
         print(f"second pilot: pooled sd of final {metric} {pooled['sd']:.4f} "
               f"({pooled['df']} df)")
-    alphas = [0.05, 0.05 / 8]
     print(f"\nStratified permutation test, {strata} warm start(s), a normal model of the final "
           "metric (400 simulated studies, 400 relabellings each): power at alpha 0.05 / at "
           "the Holm worst case 0.05/8")
-    print("| sd | runs per arm and warm start | " + " | ".join(f"gap {d:+.2f}" for d in deltas)
-          + " |")
-    print("|---:|---:|" + "---|" * len(deltas))
-    for sd in sds:
-        for n in runs:
-            cells = [normal_power(sd, d, strata, n, alphas) for d in deltas]
-            print(f"| {sd:.3f} | {n} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells)
-                  + " |")
+    print_power_table(sds, runs, deltas, strata)
 
 
 if __name__ == "__main__":

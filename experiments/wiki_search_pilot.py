@@ -109,11 +109,15 @@ EVAL_SAMPLES = 4
 PILOT2_ARMS = ("grpo", "mt_grpo")
 PILOT2_SEEDS = (3, 4, 5)
 PILOT2 = [f"warm-start-rebuild/{WARM_START}"] + [
-    f"pilot2/one_hop/{arm}-seed{seed}" for seed in PILOT2_SEEDS for arm in PILOT2_ARMS]
+    f"pilot2/one_hop/{arm}-seed{seed}" for seed in PILOT2_SEEDS for arm in PILOT2_ARMS] + [
+    f"pilot2/two_hop/mt_grpo-seed{PILOT2_SEEDS[0]}"]
 """The second pilot (``--pilot 2``): the run-to-run spread of the final metrics at one hop,
 GRPO-OR and MT-GRPO, 3 runs each of ``PILOT2_STEPS`` steps from the same warm start,
 interleaved (a partial pilot stays balanced); the first run of each arm also measures the
-start. Its first cell rebuilds the warm start's weights where they are missing."""
+start. Its first cell rebuilds the warm start's weights where they are missing; its last
+is one MT-GRPO run at two hops, the start measured too: what a 32-step two-hop run costs
+with an arm that keeps searching (the first pilot's GRPO-OR runs stopped calling the tool
+there, which made their episodes short), and whether exact match leaves the floor."""
 PILOTS = {1: CELLS, 2: PILOT2}
 
 
@@ -467,9 +471,10 @@ def report(results: Path) -> dict[str, Any]:
         out[horizon] = {"runs": rows}
         if len(finals) >= 2:
             out[horizon]["final_exact_match_sd"] = round(statistics.stdev(finals), 4)
-    second = second_pilot(results)
-    if second["runs"]:
-        out["second_pilot"] = second
+    for key, horizon in (("second_pilot", "one_hop"), ("second_pilot_two_hop", "two_hop")):
+        second = second_pilot(results, horizon)
+        if second["runs"]:
+            out[key] = second
     (results / "report.json").write_text(json.dumps(out, indent=1))
     return out
 
@@ -498,12 +503,12 @@ def evaluation_se(summary: dict[str, Any], label: str, metric: str
             None if within is None else round(within, 4))
 
 
-def second_pilot(results: Path) -> dict[str, Any]:
-    """Per run, the start (where measured) and final metrics with their intervals over
-    items; per arm, each final metric's values, mean and run-to-run sd (n - 1 df); the sd
-    pooled over the arms."""
+def second_pilot(results: Path, horizon: str = "one_hop") -> dict[str, Any]:
+    """At ``horizon``, per run, the start (where measured) and final metrics with their
+    intervals over items; per arm, each final metric's values, mean and run-to-run sd
+    (n - 1 df); the sd pooled over the arms."""
     runs: dict[str, Any] = {}
-    for path in sorted((results / "pilot2" / "one_hop").glob("*/summary.json")):
+    for path in sorted((results / "pilot2" / horizon).glob("*/summary.json")):
         summary = json.loads(path.read_text())
         arm, _, seed = path.parent.name.rpartition("-seed")
         metrics = [json.loads(line) for line in (path.parent / "trainer" / "metrics.jsonl")
@@ -616,8 +621,9 @@ def main() -> int:
     if args.report:
         found = report(args.results)
         print(json.dumps(found, indent=1))
-        if "second_pilot" in found:
-            print("\n" + second_pilot_table(found["second_pilot"]))
+        for key, horizon in (("second_pilot", "one hop"), ("second_pilot_two_hop", "two hops")):
+            if key in found:
+                print(f"\nsecond pilot, {horizon}:\n" + second_pilot_table(found[key]))
         return 0
     todo = [c for c in ([args.cell] if args.cell else cells) if not done(args, c)]
     if args.status:

@@ -143,10 +143,10 @@ def test_ctrl_c_during_startup_stops_everything(tiny_model_dir, tmp_path):
     run = start_run(config)
     run_dir = tmp_path / "runs" / "interrupted"
     vllm_log = run_dir / "logs" / "vllm.log"
-    wait_for(lambda: vllm_log.exists() and vllm_log.stat().st_size > 2000, 300,
-             "vLLM to be starting", run)
+    # interrupted as soon as vLLM's process is there, half started (still importing)
+    wait_for(lambda: vllm_log.exists() and (run_dir / "run_id").exists()
+             and len(processes_of_run(run_id(run_dir))) >= 2, 300, "vLLM to be starting", run)
     rid = run_id(run_dir)
-    assert len(processes_of_run(rid)) >= 2  # the API and vLLM (and its workers)
     run.send_signal(signal.SIGINT)
     out, err = run.communicate(timeout=120)
     assert run.returncode == 130, err[-2000:]

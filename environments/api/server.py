@@ -137,6 +137,7 @@ class RolloutAPI:
         self._changed = asyncio.Event()
         """Set (and replaced) when the queue, the leases or the policy version may have
         changed: long-polling ``/status-env`` requests look again."""
+        self._expiring = asyncio.Lock()
         self._snapshots = time.time_ns()
         """The number of the last env snapshot (``own_queue``), their order for the envs:
         counted from the start's wall clock in ns, so a restarted API's snapshots still
@@ -265,11 +266,14 @@ class RolloutAPI:
 
     # -- batches ------------------------------------------------------------------------
     async def _expire_leases(self) -> None:
-        now = time.time()
-        expired = [l for l in self.leases.values() if l.expires_at <= now]
-        for lease in expired:
-            await self.return_lease(lease, {"leases_expired": 1,
-                                             "redelivered_groups": len(lease.groups)})
+        # one at a time: a lease asked for while the sweep is returning an expired one
+        # (its groups out of the lease, not yet queued again) waits for them to be queued
+        async with self._expiring:
+            now = time.time()
+            expired = [l for l in self.leases.values() if l.expires_at <= now]
+            for lease in expired:
+                await self.return_lease(lease, {"leases_expired": 1,
+                                                 "redelivered_groups": len(lease.groups)})
         if expired:
             self.changed()
 

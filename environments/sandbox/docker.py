@@ -55,7 +55,8 @@ _PIDFILE = "/tmp/.lachesis-exec.pid"
 _OUTPUT = "/tmp/.lachesis-exec"
 """Prefix of the files (in the container's /tmp) that keep the running exec's output."""
 _WRAPPER = (
-    f'f={_OUTPUT}; m="$1"; shift; rm -f $f.o $f.e; mkfifo $f.o $f.e || exit 125; '
+    f'f={_OUTPUT}; m="$1"; shift; printf %s "$m"; printf %s "$m" >&2; '
+    f'rm -f $f.o $f.e; mkfifo $f.o $f.e || exit 125; '
     f'tee $f.out < $f.o 2>/dev/null & a=$!; tee $f.err < $f.e >&2 2>/dev/null & b=$!; '
     f'timeout -s KILL "$0" "$@" > $f.o 2> $f.e & pid=$!; echo $pid > {_PIDFILE}; '
     'wait $pid; rc=$?; kill -KILL -- -$pid 2>/dev/null; wait $a; wait $b; '
@@ -66,14 +67,25 @@ output), and kills what is left of the group when the command ends: background j
 fork-bomb leftovers do not outlive the exec, as with bwrap. A process that leaves the
 group (``setsid``) lives until ``close()``.
 
-The command's stdout and stderr also go to files (``tee``), and each stream ends with the
-exec's mark once all of it is written: the daemon can close an exec's stream before it
-has passed on the last of the output (under load, a fast command's output can come back
-empty with its exit code: moby/moby#27289, docker/docker-py#2042), and a stream that
-lacks its mark is read again from the files (:meth:`DockerSandbox._saved_output`)."""
+The command's stdout and stderr also go to files (``tee``), and each stream begins with the
+exec's mark and ends with it once all of it is written. Under load the daemon can lose
+either end of an exec's stream: close it before it has passed on the last of the output
+(a fast command's output can come back empty with its exit code: moby/moby#27289,
+docker/docker-py#2042), or attach to it after the first output was written (seen in
+`make test`: of `ls | sort; cat`, only cat's output came back, exit code 0). A stream that
+lacks either mark is read again from the files (:meth:`DockerSandbox._saved_output`)."""
+
+
+def _between_marks(data: bytes, mark: bytes) -> bytes | None:
+    """What a stream brought between its two marks, or None when it lost either end."""
+    if len(data) >= 2 * len(mark) and data.startswith(mark) and data.endswith(mark):
+        return data[len(mark):-len(mark)]
+    return None
+
 
 def _new_mark() -> bytes:
-    """An exec's end-of-stream mark: unlikely in any output, new for every exec."""
+    """An exec's mark for both ends of its streams: unlikely in any output, new for every
+    exec."""
     return f"\x1e{secrets.token_hex(8)}\x1e".encode()
 
 
@@ -188,7 +200,7 @@ class DockerSandbox(Sandbox):
         api = self.client.api
         limit = self.config.max_output_bytes
         mark = _new_mark()
-        out, err = OutputCollector(limit + len(mark)), OutputCollector(limit + len(mark))
+        out, err = OutputCollector(limit + 2 * len(mark)), OutputCollector(limit + 2 * len(mark))
         command = ["/bin/sh", "-c", _WRAPPER, f"{timeout_s:.3f}", mark.decode(), *argv]
         started = time.monotonic()
         try:
@@ -205,9 +217,12 @@ class DockerSandbox(Sandbox):
                     killed = True
                     threading.Thread(target=self._kill_group, daemon=True).start()
             exit_code = api.exec_inspect(exec_id).get("ExitCode")
-            streams = [bytes(out.data), bytes(err.data)]
-            if not killed and not all(data.endswith(mark) for data in streams):
-                streams = self._saved_output(streams)  # the daemon lost the stream's end
+            raw = [bytes(out.data), bytes(err.data)]
+            whole = [_between_marks(data, mark) for data in raw]
+            streams = [kept if kept is not None else data.removeprefix(mark).removesuffix(mark)
+                       for kept, data in zip(whole, raw)]
+            if not killed and None in whole:
+                streams = self._saved_output(streams)  # the daemon lost an end of a stream
         except docker.errors.NotFound as error:
             raise SandboxError(f"container {self.id} is gone: {error}") from error
         except docker.errors.APIError as error:
@@ -219,7 +234,7 @@ class DockerSandbox(Sandbox):
         kept = []
         for data, streamed in zip(streams, (out, err)):
             collector = OutputCollector(limit)
-            collector.add(data.removesuffix(mark))
+            collector.add(data)
             collector.overflow |= streamed.overflow
             kept.append(collector)
         # timeout(1) exits 137 (128 + KILL) when it killed the command at the limit.
@@ -232,7 +247,8 @@ class DockerSandbox(Sandbox):
         longer of the file and what the stream brought (a file is short only when /tmp
         filled up)."""
         mark = _new_mark()
-        script = f'cat {_OUTPUT}.out; printf %s "$0"; cat {_OUTPUT}.err >&2; printf %s "$0" >&2'
+        script = (f'printf %s "$0"; printf %s "$0" >&2; cat {_OUTPUT}.out; printf %s "$0"; '
+                  f'cat {_OUTPUT}.err >&2; printf %s "$0" >&2')
         for _ in range(tries):
             exec_id = self.client.api.exec_create(
                 self.container.id, ["/bin/sh", "-c", script, mark.decode()],
@@ -242,9 +258,9 @@ class DockerSandbox(Sandbox):
                                                                    demux=True):
                 saved[0] += chunk_out or b""
                 saved[1] += chunk_err or b""
-            if all(data.endswith(mark) for data in saved):
-                return [max(stream, data.removesuffix(mark), key=len)
-                        for stream, data in zip(streams, saved)]
+            files = [_between_marks(data, mark) for data in saved]
+            if None not in files:
+                return [max(stream, data, key=len) for stream, data in zip(streams, files)]
         log.warning("sandbox %s: an exec's output came back incomplete %d times", self.id,
                     tries + 1)
         return streams
