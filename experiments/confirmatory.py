@@ -309,11 +309,11 @@ def plot_curves(runs: dict[str, list[Path]], out: Path) -> None:
     named = {f"{name} ({len(dirs)} runs)": dirs for name, dirs in runs.items()}
     plot_panels([(None, "env/tool_success", "batch tool success (mean, 95 % band)", named),
                  (None, "env/correct", "batch answer accuracy (mean, 95 % band)", named)],
-                out, legend="first", width=5.5, alpha=0.15)
+                out, legend="first", alpha=0.15)
 
 
 def plot_panels(panels: list[tuple[str | None, str, str, dict[str, list[Path]]]], out: Path,
-                legend: str = "each", width: float = 5.5, alpha: float = 0.12) -> None:
+                legend: str = "each", alpha: float = 0.12) -> None:
     """One panel per ``(title, metric, y label, {curve label: run dirs})``: per curve, the
     runs' ``metric`` per trainer step (their ``trainer/metrics.jsonl``, 0 where a step lacks
     it), the mean and its 95 % band (:func:`step_bands`); curves with no run are left out.
@@ -323,7 +323,7 @@ def plot_panels(panels: list[tuple[str | None, str, str, dict[str, list[Path]]]]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4), dpi=120,
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), dpi=120,
                              squeeze=False)
     for i, (ax, (title, key, ylabel, curves)) in enumerate(zip(axes[0], panels)):
         for name, dirs in curves.items():
