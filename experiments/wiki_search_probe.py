@@ -89,6 +89,13 @@ def episodes(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def answer_anywhere(rows: list[dict[str, Any]], answers: dict[str, list[str]]) -> int:
+    """How many episodes (:func:`episodes` rows, any number per item) end with a reply
+    holding one of their own item's answers anywhere, tags or not."""
+    return sum(any(a.lower() in row["final"].lower() for a in answers[row["item_id"]])
+               for row in rows)
+
+
 async def probe(url: str, model_dir: str, horizon: str, temperature: float, items: int,
                 max_tokens_per_turn: int, out: Path, system_prompt: str | None,
                 few_shot: int = 0) -> dict[str, Any]:
@@ -108,9 +115,7 @@ async def probe(url: str, model_dir: str, horizon: str, temperature: float, item
         await env.close()
     rows = episodes(out)
     n = len(rows)
-    groups = [json.loads(line)["item_id"] for line in out.read_text().splitlines()]
-    anywhere = sum(any(a.lower() in row["final"].lower() for a in answers[item_id])
-                   for row, item_id in zip(rows, groups))
+    anywhere = answer_anywhere(rows, answers)
     rate = lambda key: round(sum(r["metrics"].get(key, 0.0) > 0 for r in rows) / n, 3)  # noqa: E731
     return {"horizon": horizon, "temperature": temperature, "episodes": n,
             "failed": metrics["failed"], "tool_call_rate": rate("tool_calls"),

@@ -203,3 +203,19 @@ def test_the_independent_check_agrees_with_the_report_and_finds_what_differs(tmp
     assert any(f"the rule's rate for {arm} at {horizon}" in x for x in differs(out)), out
     assert any(f"tuning table {horizon} {arm} lr {rate:g} mean outcome" in x
                for x in differs(out)), out
+
+
+def test_the_probe_counts_an_answer_in_the_reply_against_the_episodes_own_item(tmp_path):
+    """Several samples per item (the study's evaluations keep 4): each episode is checked
+    against its own item's answers, not against the item at its position in the file."""
+    wsp = load("wiki_search_probe")
+    groups = [{"item_id": item, "metadata": {"answers": [answer]}, "trajectories": [
+        {"masks": [0, -100], "messages": [{"role": "assistant", "content": reply}]}
+        for reply in replies]}
+        for item, answer, replies in [("x", "Paris", ["It is Paris.", "<answer>paris</answer>",
+                                                      "Lyon"]),
+                                      ("y", "Rome", ["Rome", "no idea", "Paris"])]]
+    write_episodes(tmp_path / "eval.jsonl", groups)
+    rows = wsp.episodes(tmp_path / "eval.jsonl")
+    assert [row["item_id"] for row in rows] == ["x"] * 3 + ["y"] * 3
+    assert wsp.answer_anywhere(rows, {"x": ["Paris"], "y": ["Rome"]}) == 3
