@@ -359,12 +359,21 @@ def warm_start_of(results: Path, cell: Cell) -> Cell:
     return warm_start_cell(seeds[cell.ws - 1])
 
 
+MICRO_BATCH_TOKENS = 4096
+"""Deviation 1: the token budget of a packed micro-batch in every RL run from it on."""
+
+
 def rl_config(args: argparse.Namespace, design: Design, cell: Cell, model: str) -> RunConfig:
     """The second pilot's run (``wiki_search_pilot.run_config``) of the cell's arm at its
     horizon, rate and seed; the final evaluation only (the start's is its warm start's)."""
-    return wp.run_config(args.runs_dir / cell.group, f"{cell.arm}-seed{cell.seed}", model,
-                         cell.horizon, cell.arm, cell.seed, design.steps, cell.lr,
-                         evaluate_before=False, eval_samples=EVAL_SAMPLES)
+    config = wp.run_config(args.runs_dir / cell.group, f"{cell.arm}-seed{cell.seed}", model,
+                           cell.horizon, cell.arm, cell.seed, design.steps, cell.lr,
+                           evaluate_before=False, eval_samples=EVAL_SAMPLES)
+    # deviation 1 (docs/study-wiki-search.md): packed micro-batches of at most 4096 tokens,
+    # not the default 16384 (a batch of 16 long episodes OOM-killed the trainer); the
+    # accumulated gradient is the batch's mean either way
+    config.train["max_tokens_per_micro_batch"] = MICRO_BATCH_TOKENS
+    return config
 
 
 def run_one(args: argparse.Namespace, design: Design, cell: Cell) -> str:
