@@ -21,7 +21,9 @@ What it recomputes, and how:
   run's recorded config: the arm's estimator and ``outcome_only`` (GRPO-OR only), its rate
   (tuning: its folder's; confirmation: the chosen one), the trainer's seed, the env's
   1000 + seed, 32 steps of 2 groups of 8, warm-up 2, ``max_staleness`` 2, every held-out
-  item 4 times at temperature 1, no evaluation before; the warm start it started from
+  item 4 times at temperature 1, no evaluation before, packed micro-batches of at most
+  4096 tokens (deviation 1: runs at the registration commit ``f123f45`` had the trainer's
+  default); the warm start it started from
   (the registration's, its recorded sha256 the warm start's kept one); one commit, a
   clean tree (the confirmation runs: a difference; the earlier stages: a note);
 - the warm starts: the tuning warm start the pilot's sft64 (sha256 ``1d3bbcab…``), the
@@ -98,6 +100,11 @@ MARGIN = 0.08
 ALPHA = 0.05
 DRAWS = 100_000
 MAX_ATTEMPTS = 3
+# deviation 1 (docs/study-wiki-search.md): runs at the registration commit packed each
+# micro-batch with the trainer's default budget (not in their config); every run after it,
+# packed micro-batches of at most 4096 tokens
+REGISTRATION = "f123f45"
+MICRO_BATCH_TOKENS = 4096
 FINAL = ("exact_match", "tool_success", "tool_call_rate")
 PER_ITEM = {"tool_calls": "tool_call_rate", "tool_success": "tool_success",
             "exact_match": "exact_match"}  # per-item count columns -> rates
@@ -375,6 +382,9 @@ def check_attempt(c: Checker, e: dict, cell: str, h: str, arm: str, seed: int, l
             ("turns, tokens per turn, tokens", (4, 64, 2048),
              (env["max_turns"], env["max_tokens_per_turn"], env["max_token_length"])),
             ("warm-up steps", 2, train["warmup_steps"]),
+            ("packed micro-batch tokens (deviation 1)",
+             None if str(e["commit"]).startswith(REGISTRATION) else MICRO_BATCH_TOKENS,
+             train.get("max_tokens_per_micro_batch")),
             ("max_staleness", 2, config["api"]["max_staleness"]),
             ("no evaluation before", False, config["evaluate_before"]),
             ("warm start cell", ws_id(ws_seed), e.get("warm_start_cell")),

@@ -151,8 +151,9 @@ def test_the_independent_check_agrees_with_the_report_and_finds_what_differs(tmp
                                                                             monkeypatch):
     """``experiments/wiki_search_credit_check.py`` (numpy, scipy, statsmodels, in a venv of
     their own) on the runner's report of a synthetic registered grid: every number agrees;
-    one run's exact match changed in the report, and a tuning run's mean outcome changed in
-    the kept files (so that the rule would choose another rate), are found and named."""
+    one run's exact match changed in the report, a tuning run's mean outcome changed in
+    the kept files (so that the rule would choose another rate), and a run that packed its
+    micro-batches otherwise than deviation 1 says, are found and named."""
     try:
         statcheck_python()
     except Exception as error:  # no PyPI: the venv cannot be built
@@ -203,6 +204,21 @@ def test_the_independent_check_agrees_with_the_report_and_finds_what_differs(tmp
     assert any(f"the rule's rate for {arm} at {horizon}" in x for x in differs(out)), out
     assert any(f"tuning table {horizon} {arm} lr {rate:g} mean outcome" in x
                for x in differs(out)), out
+
+    # deviation 1: a run after the registration commit packed with the trainer's default
+    # budget (its config without max_tokens_per_micro_batch), not 4096 tokens
+    budget = tmp_path / "budget"
+    shutil.copytree(results, budget)
+    lines = (budget / "manifest.jsonl").read_text().splitlines()
+    row = next(i for i, x in enumerate(lines) if f'"cell": "{cell}"' in x)
+    entry = json.loads(lines[row])
+    assert entry["config"]["train"].pop("max_tokens_per_micro_batch") == 4096
+    lines[row] = json.dumps(entry)
+    (budget / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    rc, out = check(report, budget)
+    assert rc == 1, out
+    assert [x for x in differs(out) if "packed micro-batch tokens" in x] and all(
+        cell in x for x in differs(out)), out
 
 
 def test_the_probe_counts_an_answer_in_the_reply_against_the_episodes_own_item(tmp_path):
