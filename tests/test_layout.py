@@ -4,12 +4,14 @@ prints it and what cannot work without starting anything."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -458,10 +460,69 @@ def test_a_dead_openenv_server_is_restarted_on_its_address_until_its_restarts_ar
     finally:
         supervisor.stop_all()
     message = str(failed.value)
-    assert f"{backend.name} exited with code -9 (restarted 1 times already)" in message
+    assert f"{backend.name} was killed by SIGKILL" in message
+    assert "(restarted 1 times already)" in message
     assert message.count("$ ") == 1  # this start's tail, not the first start's
     assert message.endswith("to continue the run from its last checkpoint: "
                             "lachesis run run.yaml --resume")
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A memory cgroup of its own (v1 or v2) holding at most ``limit_bytes``: yields its
+    ``cgroup.procs``. Skips where none can be made (no root, no writable cgroup fs)."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    root, limit = ((v1, "memory.limit_in_bytes") if (v1 / "memory.limit_in_bytes").exists()
+                   else (Path("/sys/fs/cgroup"), "memory.max"))
+    group = root / f"lachesis-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / limit).write_text(str(limit_bytes))
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        pytest.skip(f"no memory cgroup can be made here ({error})")
+    try:
+        yield group / "cgroup.procs"
+    finally:
+        for _ in range(50):  # a killed process leaves its cgroup when it has been reaped
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)
+
+
+def test_a_trainer_the_oom_killer_killed_is_named_with_what_needs_less_memory(tmp_path,
+                                                                              capsys):
+    """A trainer killed by the kernel's out-of-memory killer (a real one: the process
+    allocates past its memory cgroup's limit) is not just "exited with code -9": the
+    supervisor says the OOM killer killed a process while it ran, and which settings make
+    the trainer need less memory (its restart replays the same batches), at its restart
+    and when the run stops."""
+    from lachesis.run.supervisor import RunFailed
+
+    run = config(tmp_path, train={"batch_size": 8, "max_tokens_per_micro_batch": 4096},
+                 max_restarts=1, restart_backoff_s=0.1)
+    supervisor = Supervisor(run)
+    supervisor.restartable = {"trainer": 1}
+    with memory_cgroup(64 << 20) as procs:
+        child = supervisor.start("trainer", [
+            "sh", "-c", f"echo $$ > {procs} && exec {sys.executable} -c 'bytearray(1 << 30)'"])
+        try:
+            child.proc.wait(60)
+            supervisor.check_alive()  # restarted
+            restarted = capsys.readouterr().out
+            child.proc.wait(60)
+            with pytest.raises(RunFailed) as failed:
+                supervisor.check_alive()
+        finally:
+            supervisor.stop_all()
+    advice = ("if the trainer was killed for memory, lower train.max_tokens_per_micro_batch "
+              "(4096 now) or set train.activation_checkpointing: true")
+    for text in (restarted, str(failed.value)):
+        assert "trainer was killed by SIGKILL (the kernel's out-of-memory killer killed " in text
+        assert advice in text, text
+    assert "restarting it (1 of 1)" in restarted
 
 
 def test_a_rendezvous_port_is_held_until_rank_0_binds_it(monkeypatch):

@@ -358,6 +358,18 @@ def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
                     slot=f"trainer-{rank}") for rank in range(nproc)]
 
 
+def trainer_memory_advice(train: dict[str, Any]) -> str:
+    """What makes the trainer of the run's ``train`` settings need less memory."""
+    from trainer.config import TrainConfig
+
+    fields = TrainConfig.model_fields
+    knob = ("max_tokens_per_micro_batch" if train.get("packing", fields["packing"].default)
+            else "micro_batch_size")
+    return (f"if the trainer was killed for memory, lower train.{knob} "
+            f"({train.get(knob, fields[knob].default)} now) or set "
+            "train.activation_checkpointing: true")
+
+
 def trainer_threads(alone: bool = False) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for a one-process trainer, unless the run's environment sets it:
     half the machine's cores less one, at least 1. vLLM's engine and the env servers run

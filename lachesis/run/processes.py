@@ -66,6 +66,45 @@ def tree_cpu_seconds(root_pid: int, *, include_root: bool = True,
     return total
 
 
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed on this machine
+    since it booted (``oom_kill`` in /proc/vmstat, Linux 4.13+); None where it does not say.
+    Machine-wide: a container's processes count, and so do its neighbours'."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def oom_kills_since(before: int | None) -> int:
+    """Processes the out-of-memory killer has killed on this machine since :func:`oom_kills`
+    was ``before`` (0 where either is unknown)."""
+    now = oom_kills()
+    return 0 if before is None or now is None else max(0, now - before)
+
+
+def ended_text(name: str, code: int, oom_kills_before: int | None = None) -> str:
+    """How a process of the run ended, for a person: its exit code, or the signal that
+    killed it; and, when it failed, how many processes the kernel's out-of-memory killer
+    killed on this machine while it ran (``oom_kills_before``: :func:`oom_kills` when it
+    started), which is how a process that ran out of memory dies (SIGKILL, or code 1 from
+    torchrun or vLLM when a worker of theirs was the one killed)."""
+    try:
+        text = (f"{name} was killed by {signal.Signals(-code).name}" if code < 0
+                else f"{name} exited with code {code}")
+    except ValueError:
+        text = f"{name} exited with code {code}"
+    n = oom_kills_since(oom_kills_before) if code != 0 else 0
+    if n:
+        text += (f" (the kernel's out-of-memory killer killed {n} process{'es' * (n > 1)} on "
+                 "this machine while it ran; `dmesg | grep -i 'killed process'` names them)")
+    return text
+
+
 GUARD_PARENT_VARIABLE = "LACHESIS_GUARD_PARENT"
 """The pid of the process that started a guard: the guard dies at once when its parent is
 no longer that one (its starter died before the guard had armed its parent-death signal;
@@ -95,12 +134,15 @@ class ChildProcess:
     proc: subprocess.Popen | None = None
     log_start: int = 0
     """Where this start's part of the log begins (a restarted process appends to it)."""
+    oom_kills_at_start: int | None = None
+    """:func:`oom_kills` when this start began."""
 
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log, \
                 (open(self.stdout_path, "wb") if self.stdout_path else contextlib.nullcontext(log)) as out:
             self.log_start = log.tell()
+            self.oom_kills_at_start = oom_kills()
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(

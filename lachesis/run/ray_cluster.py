@@ -266,6 +266,9 @@ class RayChild:
     :class:`lachesis.run.processes.ChildProcess` is: started, polled, stopped, its log in
     ``log_path`` on the head."""
 
+    oom_kills_at_start = None
+    """Not known: the head's /proc/vmstat does not count another node's kills."""
+
     def __init__(self, runner: Any, ray: Any, name: str, command: list[str], log_path: Path,
                  env: dict[str, str], stdout_path: Path | None = None, where: str = ""):
         self.runner, self.ray = runner, ray

@@ -61,6 +61,7 @@ from lachesis.run.layout import (
     Process,
     build_layout,
     lachesis_command,
+    trainer_memory_advice,
     trainer_processes,
 )
 from lachesis.run.liveness import Hang, Liveness
@@ -68,7 +69,9 @@ from lachesis.run.processes import (
     RUN_ID_VARIABLE,
     ChildProcess,
     become_subreaper,
+    ended_text,
     kill_leftovers,
+    oom_kills_since,
 )
 from lachesis.run.progress import RunProgress, last_metrics
 from lachesis.run.ray_cluster import PlacementFailed, RayPlacement, RayUnavailable
@@ -191,13 +194,23 @@ class Supervisor:
             also = "".join(f"; {c.name} exited too (code {k})" for c, k in dead[1:])
             spent = (f" (restarted {self.restarts[child.name]} times already)"
                      if self.restarts.get(child.name) else "")
-            hung = self.hung.get(child.name)
-            how = (f"{hung.text()}: killed it (SIGKILL)" if hung is not None
-                   else f"{child.name} exited with code {code}")
+            how = self.ended(child, code, self.hung.get(child.name))
             raise RunFailed(f"{how}{spent}{also}; last lines "
                             f"of {child.log_path}:\n{child.log_tail()}"
                             + (f"\nto continue the run from its last checkpoint: "
                                f"{self.resume_command}" if self.resume_command else ""))
+
+    def ended(self, child: ChildProcess, code: int, hung: Hang | None) -> str:
+        """How ``child`` ended: killed by the liveness checks (``hung``), or as
+        :func:`ended_text` says, and for a trainer the OOM killer may have killed, what
+        makes it need less memory (its restart replays the same batches)."""
+        if hung is not None:
+            return f"{hung.text()}: killed it (SIGKILL)"
+        text = ended_text(child.name, code, child.oom_kills_at_start)
+        if child.name.split("-")[0] == "trainer" and code and \
+                oom_kills_since(child.oom_kills_at_start):
+            text += f"; {trainer_memory_advice(self.config.train)}"
+        return text
 
     def restart(self, child: ChildProcess, code: int) -> None:
         """Start a dead process of the run again, after a backoff (``restart_backoff_s``,
@@ -232,9 +245,7 @@ class Supervisor:
             if weights is not None:
                 at = child.command.index("--model") + 1
                 child.command = [*child.command[:at], str(weights), *child.command[at + 1:]]
-        hung = self.hung.pop(child.name, None)
-        how = (f"{hung.text()}: killed it (SIGKILL)" if hung is not None
-               else f"{child.name} exited with code {code}")
+        how = self.ended(child, code, self.hung.pop(child.name, None))
         self.say(f"{how}: restarting it ({n} of {limit})"
                  + (f" on {weights or 'the starting model'}"
                     if child.name in self.replica_names else ""))
