@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -69,24 +68,6 @@ TARGET_SPEEDUP = 1.3
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def memory_available() -> int | None:
@@ -136,6 +117,7 @@ def child(args) -> dict:
 
     from trainer.config import TrainConfig
     from trainer.logprobs import enable_activation_checkpointing
+    from trainer.rehearsal import peak_rss_bytes, reset_peak_rss
     from trainer.train import train_step
 
     device = torch.device(args.device)

@@ -134,7 +134,7 @@ def _run_and_print(prog: str, coroutine) -> int:
         result = asyncio.run(coroutine)
     except KeyboardInterrupt:
         return 130
-    except (RuntimeError, ValueError, OSError) as error:
+    except (RuntimeError, ValueError, OSError, MemoryError) as error:
         print(f"{prog}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary
@@ -319,6 +319,10 @@ def _run_train(argv: list[str]) -> int:
     parser.add_argument("--config", type=Path, help="YAML file (top level or under 'train:')")
     parser.add_argument("--check", action="store_true",
                         help="only run the alignment check on the first batch, then exit")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="only load the model and run the longest micro-batch the config "
+                             "can build (forward and backward), print its peak memory, then "
+                             "exit: no rollout API or data needed")
     parser.add_argument("--log-level", default="INFO")
     names = _config_flags(parser, TrainConfig)
     args = parser.parse_args(argv)
@@ -328,7 +332,8 @@ def _run_train(argv: list[str]) -> int:
         return 2
     from trainer.train import train
 
-    return _run_and_print("lachesis train", train(config, check_only=args.check))
+    return _run_and_print("lachesis train", train(config, check_only=args.check,
+                                                   rehearse_only=args.rehearse))
 
 
 def _yaml_mapping(value: str) -> dict:

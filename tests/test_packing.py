@@ -114,3 +114,39 @@ def test_chunked_logprobs_and_gradients_equal_the_full_computation():
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_token_logprobs(hidden, weight, targets, chunk_size=0)
+
+
+def test_the_rehearsal_runs_the_longest_micro_batch_and_leaves_everything_as_it_was():
+    """``rehearse_longest_micro_batch``: one forward and backward of the largest
+    micro-batch the config can build (packed: rows of max_token_length up to the budget,
+    no more than the batch holds; padded: micro_batch_size rows), and nothing a user
+    trains on changes: the weights, the gradients (none), the random stream."""
+    from trainer.rehearsal import longest_micro_batch, rehearse
+
+    packed = TrainConfig(model="m", batch_size=8, max_token_length=24, logprob_chunk_size=5,
+                         max_tokens_per_micro_batch=60)
+    assert longest_micro_batch(packed) == [24, 24, 12]
+    assert longest_micro_batch(packed.model_copy(update={"batch_size": 2})) == [24, 24]
+    assert longest_micro_batch(packed.model_copy(update={"batch_size": 2,
+                                                         "samples": "turn_prefix"})) == [24, 24, 12]
+    assert longest_micro_batch(packed.model_copy(update={"max_tokens_per_micro_batch": 16})) \
+        == [24]  # a row longer than the budget is a micro-batch alone
+    padded = packed.model_copy(update={"packing": False, "micro_batch_size": 3})
+    assert longest_micro_batch(padded) == [24, 24, 24]
+    for config, attention, seen in [(packed, VARLEN_SDPA, [(1, 60)]),
+                                    (padded, "sdpa", [(3, 24)])]:
+        lm = model(attention)
+        before = copy.deepcopy(lm.state_dict())
+        shapes = []
+        lm.model.embed_tokens.register_forward_hook(
+            lambda module, args, out: shapes.append(tuple(args[0].shape)))
+        backward = []
+        lm.lm_head.weight.register_hook(lambda grad: backward.append(float(grad.abs().sum())))
+        rng = torch.get_rng_state()
+        found = rehearse(lm, config, vocab_size=64, pad_id=0)
+        assert shapes == seen and len(backward) == 1 and backward[0] > 0  # one forward, backward
+        assert (found["rows"], found["tokens"]) == (len(longest_micro_batch(config)),
+                                                    sum(longest_micro_batch(config)))
+        assert all(p.grad is None for p in lm.parameters())
+        assert all(torch.equal(v, lm.state_dict()[k]) for k, v in before.items())
+        assert torch.equal(torch.get_rng_state(), rng)

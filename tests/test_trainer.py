@@ -111,16 +111,24 @@ def test_train_step_aligns_with_vllm_changes_weights_and_syncs_into_vllm(vllm_se
     assert (vllm_logprobs(vllm_server, probe) - before).abs().max() < 1e-4
 
 
-def test_resume_equals_uninterrupted_training(vllm_server, rollouts, tmp_path):
+def test_resume_and_the_rehearsal_equal_uninterrupted_training(vllm_server, rollouts,
+                                                               tmp_path, caplog):
+    """Stopped after step 1 and resumed, rehearsing the longest micro-batch at each start
+    (``rehearse_longest_micro_batch``), the weights after step 3 are bit for bit those of
+    3 steps straight: neither the resume nor the rehearsal changes what is trained."""
     straight = config(tmp_path / "a", vllm_server, rollouts, steps=3, checkpoint_every=1)
     asyncio.run(train(straight))
-    first = config(tmp_path / "b", vllm_server, rollouts, steps=1, checkpoint_every=1)
+    first = config(tmp_path / "b", vllm_server, rollouts, steps=1, checkpoint_every=1,
+                   rehearse_longest_micro_batch=True)
+    caplog.set_level("INFO", logger="trainer.rehearsal")
     asyncio.run(train(first))
     summary = asyncio.run(train(first.model_copy(update={"steps": 3})))
     assert summary["start_step"] == 1
     a = load_file(tmp_path / "a/run/checkpoints/step_000003/model.safetensors")
     b = load_file(tmp_path / "b/run/checkpoints/step_000003/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rehearsed = [r.getMessage() for r in caplog.records if r.name == "trainer.rehearsal"]
+    assert len(rehearsed) == 2 and "(8 rows, 16384 tokens)" in rehearsed[0], rehearsed
 
 
 def test_bad_batches_are_refused_with_the_place_named(rollouts, tmp_path):

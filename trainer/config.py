@@ -56,6 +56,10 @@ class TrainConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more
     compute); works with FSDP2."""
+    rehearse_longest_micro_batch: bool = False
+    """Before the first step, run one forward and backward of the largest micro-batch this
+    config can build (``trainer.rehearsal``): a trainer that cannot hold it fails at its
+    start, not at the step whose episodes first grow that long; the peak is logged."""
     max_token_length: int = Field(default=2048, ge=8)
     steps: int = Field(default=100, ge=1)
     lease_wait_s: float = Field(default=1.0, ge=0, le=60)

@@ -82,6 +82,7 @@ from trainer.logprobs import (
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
 from trainer.metrics import Metrics, Progress, stopped_early_text, write_stopped_early
+from trainer.rehearsal import rehearse
 from trainer.schedule import learning_rate
 from trainer.shaping import shape_rewards, trains_on, with_dynamic_sampling
 from trainer.sources import Batch, BatchWaitExceeded, open_source
@@ -460,15 +461,17 @@ async def end_early(stopped: BatchWaitExceeded, step: int, *, model, optimizer, 
 # --------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------
-async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, Any]:
+async def train(config: TrainConfig, *, check_only: bool = False,
+                rehearse_only: bool = False) -> dict[str, Any]:
     """Train per ``config`` (steps, checkpoints, syncs); the run's summary. With several
     ranks (torchrun, or ``lachesis run --ray``), every rank runs this and leaves the
-    process group at the end."""
+    process group at the end. ``rehearse_only``: load the model, rehearse the longest
+    micro-batch (:mod:`trainer.rehearsal`) and return what it found, with no batch source."""
     # Under `lachesis run`: every rank beats from a thread through its steps, syncs and
     # checkpoints (environments/heartbeat.py), so a frozen rank is told from a slow step.
     beat_in_thread("trainer")
     try:
-        summary = await _train(config, check_only=check_only)
+        summary = await _train(config, check_only=check_only, rehearse_only=rehearse_only)
     except BaseException:
         leave_process_group(together=False)
         raise
@@ -478,7 +481,8 @@ async def train(config: TrainConfig, *, check_only: bool = False) -> dict[str, A
     return summary
 
 
-async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
+async def _train(config: TrainConfig, *, check_only: bool,
+                 rehearse_only: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if config.deterministic:
@@ -518,6 +522,12 @@ async def _train(config: TrainConfig, *, check_only: bool) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab_size = model.get_input_embeddings().weight.shape[0]
+    if config.rehearse_longest_micro_batch or rehearse_only:
+        doing("rehearsing the longest micro-batch", must_progress=True)
+        rehearsal = rehearse(model, config, vocab_size, pad_id)
+        if rehearse_only:
+            return {"rehearsal": rehearsal}
+        doing("starting")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=config.lr, betas=config.betas,
                                   eps=config.adam_eps, weight_decay=config.weight_decay)

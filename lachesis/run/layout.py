@@ -361,13 +361,15 @@ def trainer_processes(config: RunConfig, name: str, train_yaml: Path,
 def trainer_memory_advice(train: dict[str, Any]) -> str:
     """What makes the trainer of the run's ``train`` settings need less memory."""
     from trainer.config import TrainConfig
+    from trainer.rehearsal import memory_advice
 
     fields = TrainConfig.model_fields
-    knob = ("max_tokens_per_micro_batch" if train.get("packing", fields["packing"].default)
-            else "micro_batch_size")
-    return (f"if the trainer was killed for memory, lower train.{knob} "
-            f"({train.get(knob, fields[knob].default)} now) or set "
-            "train.activation_checkpointing: true")
+    packing, max_tokens, rows = (train.get(k, fields[k].default) for k in (
+        "packing", "max_tokens_per_micro_batch", "micro_batch_size"))
+    return ("if the trainer was killed for memory, "
+            f"{memory_advice(packing, max_tokens, rows)} "
+            "(train.rehearse_longest_micro_batch: true tries the longest micro-batch "
+            "at the trainer's start)")
 
 
 def trainer_threads(alone: bool = False) -> dict[str, str]:
