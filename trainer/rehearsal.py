@@ -38,9 +38,11 @@ def memory_advice(packing: bool, max_tokens: int, micro_batch_size: int) -> str:
 def longest_micro_batch(config: TrainConfig) -> list[int]:
     """Row lengths of the largest micro-batch ``config``'s batches can be cut into: packed,
     rows of ``max_token_length`` up to the token budget (a row longer than the budget is a
-    micro-batch alone; turn-prefix and segment rows are no longer than a sequence, but can
-    be more than ``batch_size`` of them); else ``micro_batch_size`` rows of
-    ``max_token_length``, padded to it."""
+    micro-batch alone), and no more tokens than ``batch_size`` sequences hold (turn-prefix
+    rows repeat their prefixes: up to the budget); else ``micro_batch_size`` rows of
+    ``max_token_length``, padded to it. It takes ``max_token_length`` for the longest
+    sequence (or segment) an env sends: an env whose own limit is longer makes longer
+    rows than rehearsed."""
     longest = config.max_token_length
     if not config.packing:
         return [longest] * config.micro_batch_size
