@@ -65,11 +65,6 @@ TARGET_PEAK_RATIO = 0.35
 TARGET_SPEEDUP = 1.3
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def memory_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -117,7 +112,7 @@ def child(args) -> dict:
 
     from trainer.config import TrainConfig
     from trainer.logprobs import enable_activation_checkpointing
-    from trainer.rehearsal import peak_rss_bytes, reset_peak_rss
+    from trainer.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
     from trainer.train import train_step
 
     device = torch.device(args.device)

@@ -1,5 +1,5 @@
 """The time budget: every trainer step says in metrics.jsonl where its time went
-(``time/*``, trainer/timing.py), the env's per-rollout seconds reach the step's metrics,
+(``time/*``, trainer/timing.py) and what memory it took (``memory/*``), the env's per-rollout seconds reach the step's metrics,
 and the end of ``lachesis run`` turns them into a "where the time went" table."""
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ def test_every_step_logs_where_its_time_went(tiny_model_dir, tmp_path):
         assert r["time/train"] > 0 and r["time/step"] >= sum(parts)
         assert r["time/sync"] < r["time/step"]  # no vLLM: nothing to sync
     assert rows[0]["time/checkpoint"] == 0 and rows[1]["time/checkpoint"] > 0  # every 2
+    # and what memory it took (trainer/memory.py): the process's resident set at the
+    # step's end is inside its peak during the step (the high-water mark reset at its start)
+    for r in rows:
+        assert 0.05 < r["memory/held_gib"] <= r["memory/peak_gib"] < 64, r
     # the env's per-rollout seconds, averaged over the batch's trajectories (2 groups each)
     assert rows[0]["env/time/generation"] == pytest.approx(1.5)
     assert rows[1]["env/time/generation"] == pytest.approx(3.5)

@@ -16,7 +16,6 @@ are as they were.
 from __future__ import annotations
 
 import logging
-import resource
 import time
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from trainer.batch import TrainBatch
 from trainer.config import TrainConfig
 from trainer.logprobs import sequence_logprobs
+from trainer.memory import peak_gib, reset_peak
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +52,6 @@ def longest_micro_batch(config: TrainConfig) -> list[int]:
     return [longest] * (total // longest) + ([total % longest] if total % longest else [])
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set since its start or :func:`reset_peak_rss`."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def rehearse(model: torch.nn.Module, config: TrainConfig, vocab_size: int,
              pad_id: int) -> dict[str, float]:
     """One forward and backward of :func:`longest_micro_batch` (the loss: the mean logprob
@@ -90,10 +71,7 @@ def rehearse(model: torch.nn.Module, config: TrainConfig, vocab_size: int,
         zeros = torch.zeros(len(lengths), width)
         mb = TrainBatch(tokens.masked_fill(~inside, pad_id), mask, zeros, zeros.clone(),
                         length).to(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            reset_peak_rss()
+        reset_peak(device)
         started = time.monotonic()
         model.train()
         try:
@@ -114,8 +92,7 @@ def rehearse(model: torch.nn.Module, config: TrainConfig, vocab_size: int,
                     for p in (q.to_local() if hasattr(q, "to_local") else q for q in trained))
     found = {"rows": len(lengths), "tokens": sum(lengths), "optimizer_state_gib": state / 2**30,
              "seconds": time.monotonic() - started,
-             "peak_gib": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                          else peak_rss_bytes()) / 2**30}
+             "peak_gib": peak_gib(device)}
     log.info("rehearsal: the longest micro-batch this config can build (%d rows, %d tokens) "
              "ran forward and backward in %.1f s; peak memory %.2f GiB (%s), and AdamW's "
              "state adds %.2f GiB from the first step", found["rows"], found["tokens"],

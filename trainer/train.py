@@ -81,6 +81,7 @@ from trainer.logprobs import (
 )
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
+from trainer.memory import reset_peak, step_memory
 from trainer.metrics import Metrics, Progress, stopped_early_text, write_stopped_early
 from trainer.rehearsal import rehearse
 from trainer.schedule import learning_rate
@@ -572,6 +573,7 @@ async def _train(config: TrainConfig, *, check_only: bool,
         for step in range(start_step, config.steps):
             started = time.monotonic()
             clock = StepClock()
+            reset_peak(device)
             doing(f"step {step + 1}: waiting for a batch")
             # 1-2. a batch, checked, with advantages (bad groups set aside); a batch with
             # nothing to train on is acknowledged and is not a step
@@ -664,7 +666,7 @@ async def _train(config: TrainConfig, *, check_only: bool,
                     # again: the API may forget them
                     await source.checkpointed(
                         checkpoint_step(complete_checkpoints(run_dir)[0]))
-            values.update(clock.metrics())
+            values.update(clock.metrics(), **step_memory(device))
             values["logged_at"] = time.time()  # which start of a resumed run logged it
             metrics.log(version, values)
             progress.update(version, values)
