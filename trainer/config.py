@@ -56,6 +56,10 @@ class TrainConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more
     compute); works with FSDP2."""
+    release_memory_each_step: bool = True
+    """On a CPU, give the memory the allocator holds free back to the kernel after each
+    step's update (``trainer.memory.release_freed_memory``); without it a trainer's
+    resident set climbs from step to step as micro-batches change shape."""
     rehearse_longest_micro_batch: bool = False
     """Before the first step, run one forward and backward of the largest micro-batch this
     config can build (``trainer.rehearsal``): a trainer that cannot hold it fails at its

@@ -14,6 +14,7 @@ the allocator keeps, not memory the step needs.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 
@@ -68,3 +69,15 @@ def step_memory(device: torch.device) -> dict[str, float]:
     """The ``memory/*`` metrics of the step since :func:`reset_peak`."""
     held = torch.cuda.memory_reserved(device) if device.type == "cuda" else rss_bytes()
     return {"memory/peak_gib": peak_gib(device), "memory/held_gib": held / GIB}
+
+
+def release_freed_memory() -> bool:
+    """Give the pages glibc's malloc holds free back to the kernel (``malloc_trim(0)``:
+    the top of each heap and, since glibc 2.8, free pages inside it). A CPU trainer's
+    tensors of changing shapes leave freed gaps that glibc keeps, so without this its
+    resident set climbs from step to step (docs/memory.md has it measured). False where
+    there is no glibc (musl, macOS)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -81,7 +81,7 @@ from trainer.logprobs import (
 )
 from trainer.lora import apply_lora
 from trainer.losses import policy_loss, sft_loss
-from trainer.memory import reset_peak, step_memory
+from trainer.memory import release_freed_memory, reset_peak, step_memory
 from trainer.metrics import Metrics, Progress, stopped_early_text, write_stopped_early
 from trainer.rehearsal import rehearse
 from trainer.schedule import learning_rate
@@ -628,6 +628,8 @@ async def _train(config: TrainConfig, *, check_only: bool,
                     values.update(train_steps(model, optimizer, tensors, config,
                                               ref_model=ref_model, rank=rank, world=world,
                                               sharded=sharded))
+                    if config.release_memory_each_step and device.type == "cpu":
+                        release_freed_memory()
             version = step + 1
             syncs = serves and (version % config.sync_every == 0 or version == config.steps)
             checkpoints = version % config.checkpoint_every == 0 or version == config.steps
