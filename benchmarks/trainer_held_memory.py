@@ -4,7 +4,7 @@
 Two offline ``lachesis train`` runs, one after the other, each in a fresh process, on the
 same file of synthetic groups: SmolLM2-135M-Instruct (the packaged model, ``dtype: auto``),
 batches of 2 groups of 8 sequences of 200-1,199 random tokens (the first 100 a masked
-prompt; 10-16k tokens a batch, changing from step to step, as an agent's episodes do),
+prompt; 9-13k tokens a batch, changing from step to step, as an agent's episodes do),
 packed micro-batches of at most 4,096 tokens, GRPO. Per step it prints the batch's
 tokens, ``memory/peak_gib`` and ``memory/held_gib`` (trainer/memory.py) and
 ``time/train``; then the ratios of the last step's held memory and of the mean
