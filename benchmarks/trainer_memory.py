@@ -66,14 +66,9 @@ TARGET_SPEEDUP = 1.3
 
 
 def memory_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from trainer.memory import proc_kib_field
+
+    return proc_kib_field("/proc/meminfo", "MemAvailable")
 
 
 def build(args, device, dtype):

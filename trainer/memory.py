@@ -33,16 +33,24 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_bytes() -> int:
-    """The process's peak resident set since its start or :func:`reset_peak_rss`."""
+def proc_kib_field(path: str, key: str) -> int | None:
+    """The bytes of a ``key: N kB`` line of a /proc file (``/proc/self/status``'s
+    ``VmHWM``, ``/proc/meminfo``'s ``MemAvailable``); None where there is none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since its start or :func:`reset_peak_rss`."""
+    peak = proc_kib_field("/proc/self/status", "VmHWM")
+    return peak if peak is not None else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def rss_bytes() -> int:

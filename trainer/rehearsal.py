@@ -23,7 +23,7 @@ import torch
 from trainer.batch import TrainBatch
 from trainer.config import TrainConfig
 from trainer.logprobs import sequence_logprobs
-from trainer.memory import peak_gib, reset_peak
+from trainer.memory import GIB, peak_gib, reset_peak
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def rehearse(model: torch.nn.Module, config: TrainConfig, vocab_size: int,
     trained = [p for p in model.parameters() if p.requires_grad]
     state = 2 * sum(p.numel() * p.element_size()  # AdamW's two moments (this rank's shard)
                     for p in (q.to_local() if hasattr(q, "to_local") else q for q in trained))
-    found = {"rows": len(lengths), "tokens": sum(lengths), "optimizer_state_gib": state / 2**30,
+    found = {"rows": len(lengths), "tokens": sum(lengths), "optimizer_state_gib": state / GIB,
              "seconds": time.monotonic() - started,
              "peak_gib": peak_gib(device)}
     log.info("rehearsal: the longest micro-batch this config can build (%d rows, %d tokens) "

@@ -87,21 +87,21 @@ def oom_kills_since(before: int | None) -> int:
     return 0 if before is None or now is None else max(0, now - before)
 
 
-def ended_text(name: str, code: int, oom_kills_before: int | None = None) -> str:
+def ended_text(name: str, code: int, oom_killed: int = 0) -> str:
     """How a process of the run ended, for a person: its exit code, or the signal that
-    killed it; and, when it failed, how many processes the kernel's out-of-memory killer
-    killed on this machine while it ran (``oom_kills_before``: :func:`oom_kills` when it
-    started), which is how a process that ran out of memory dies (SIGKILL, or code 1 from
-    torchrun or vLLM when a worker of theirs was the one killed)."""
+    killed it; and, when it failed, ``oom_killed``: how many processes the kernel's
+    out-of-memory killer killed on this machine while it ran (:func:`oom_kills_since`),
+    which is how a process that ran out of memory dies (SIGKILL, or code 1 from torchrun
+    or vLLM when a worker of theirs was the one killed)."""
     try:
         text = (f"{name} was killed by {signal.Signals(-code).name}" if code < 0
                 else f"{name} exited with code {code}")
     except ValueError:
         text = f"{name} exited with code {code}"
-    n = oom_kills_since(oom_kills_before) if code != 0 else 0
-    if n:
-        text += (f" (the kernel's out-of-memory killer killed {n} process{'es' * (n > 1)} on "
-                 "this machine while it ran; `dmesg | grep -i 'killed process'` names them)")
+    if code != 0 and oom_killed:
+        text += (f" (the kernel's out-of-memory killer killed {oom_killed} "
+                 f"process{'es' * (oom_killed > 1)} on this machine while it ran; "
+                 "`dmesg | grep -i 'killed process'` names them)")
     return text
 
 

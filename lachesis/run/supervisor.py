@@ -206,9 +206,9 @@ class Supervisor:
         makes it need less memory (its restart replays the same batches)."""
         if hung is not None:
             return f"{hung.text()}: killed it (SIGKILL)"
-        text = ended_text(child.name, code, child.oom_kills_at_start)
-        if child.name.split("-")[0] == "trainer" and code and \
-                oom_kills_since(child.oom_kills_at_start):
+        oom_killed = oom_kills_since(child.oom_kills_at_start)
+        text = ended_text(child.name, code, oom_killed)
+        if child.name.split("-")[0] == "trainer" and code and oom_killed:
             text += f"; {trainer_memory_advice(self.config.train)}"
         return text
 
